@@ -1,0 +1,32 @@
+"""Writing cached blocks into a workspace, each rotated from the position it was encoded at to
+the position it takes in this prompt."""
+
+from dataclasses import dataclass
+
+import torch
+
+from .rope import delta_cos_sin, shift_keys
+from .store import KVBlock
+
+
+@dataclass
+class Piece:
+    block: KVBlock
+    position: int  # where the block's first token sits in the assembled prompt
+
+
+def fill(workspace, pieces: list[Piece], inv_freq: torch.Tensor) -> int:
+    """Copy the pieces' KV into consecutive workspace slots; return the number of slots filled."""
+    slot = 0
+    for piece in pieces:
+        block, n = piece.block, len(piece.block)
+        keys = workspace.keys[:, 0, :, slot : slot + n]  # [layers, kv_heads, n, head_dim]
+        delta = piece.position - block.start
+        if delta == 0:
+            keys.copy_(block.keys)
+        else:
+            cos, sin = delta_cos_sin(torch.tensor([delta]), inv_freq, workspace.keys.dtype)
+            shift_keys(block.keys, cos.to(keys.device), sin.to(keys.device), out=keys)
+        workspace.values[:, 0, :, slot : slot + n].copy_(block.values)
+        slot += n
+    return slot

@@ -1,0 +1,397 @@
+"""KVEngine: index passages once, answer questions over their cached KV.
+
+Modes (all prefill exactly the ids of `Prompt.ids()`; they differ in what is reused):
+  full       plain causal prefill of every token, nothing reused (the "stuff" baseline)
+  block      cached blocks moved to contiguous positions, only the question is prefilled
+             (Block-Attention / TurboRAG "reordered")
+  composite  cached blocks keep the positions they were encoded at (TurboRAG "composite")
+  prefix     prefix caching: reuse the longest run of leading blocks whose exact causal KV was
+             computed before in the same order, prefill the rest
+"""
+
+import re
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from . import attention, model as model_lib
+from .assemble import Piece, fill
+from .cache import WorkspacePool
+from .errors import ContextOverflowError, EmptyInputError, InputEncodingError, UnknownBlockError
+from .generate import GenerationResult, Sampler, TextTracker
+from .prompt import Prompt, PromptFormat, PromptLayout
+from .store import KVBlock, KVStore
+
+MODES = ("full", "block", "composite", "prefix")
+BLOCK_CONTEXTS = ("none", "prefix")
+_BLOCK_ID = re.compile(r"^kv_([0-9a-f]{32})$")
+
+
+def check_text(text, what: str = "passage") -> str:
+    """A usable passage or question: a str (or UTF-8 bytes) with something besides whitespace."""
+    if isinstance(text, (bytes, bytearray)):
+        try:
+            text = bytes(text).decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise InputEncodingError(f"{what} is not valid UTF-8: {exc}") from exc
+    if not isinstance(text, str):
+        raise TypeError(f"{what} must be str, got {type(text).__name__}")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InputEncodingError(f"{what} contains characters that are not valid UTF-8: {exc}") from exc
+    if not text.strip():
+        raise EmptyInputError(f"{what} is empty or whitespace only")
+    return text
+
+
+@dataclass
+class Prefill:
+    """A prompt whose KV sits in `cache`; `logits` are the question tokens' (or only the last one's)."""
+
+    logits: torch.Tensor
+    cache: object
+    next_position: int
+    prefilled_tokens: int
+    reused_tokens: int
+    cache_hits: dict[str, int]
+    workspace: object
+    pending: list = field(default_factory=list)  # (key, context, slot, length, position) to store afterwards
+
+
+class GenerationStream:
+    """Iterate for text deltas; `result` is set once the iteration is over."""
+
+    def __init__(self, events: Iterator[str]):
+        self._events = events
+        self.result: GenerationResult | None = None
+
+    def __iter__(self):
+        return self._events
+
+
+class KVEngine:
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        *,
+        block_context: str = "none",
+        storage_dtype: torch.dtype = torch.float16,
+        memory_budget: int = 1 << 30,
+        prompt_format: PromptFormat | None = None,
+        home: str | Path | None = None,
+        persist: bool = True,
+        fingerprint: str | None = None,
+    ):
+        model_lib.check_supported(model.config)
+        if block_context not in BLOCK_CONTEXTS:
+            raise ValueError(f"block_context must be one of {BLOCK_CONTEXTS}, got {block_context!r}")
+        if model.config._attn_implementation != attention.NAME:
+            model.set_attn_implementation(attention.NAME)
+        self.model, self.tokenizer = model.eval(), tokenizer
+        self.block_context = block_context
+        self.storage_dtype = storage_dtype
+        self.layout = PromptLayout(tokenizer, prompt_format)
+        self.fingerprint = fingerprint or model_lib.fingerprint(model, tokenizer)
+        self.home = Path(home) if home is not None else model_lib.kvrag_home()
+        root = self.home / "kv" / self.fingerprint[:16] if persist else None
+        self.store = KVStore(self.fingerprint, root, memory_budget)
+        self.context_window = model_lib.context_window(model.config)
+        config = model.config
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.decoder = model.get_decoder()
+        self.inv_freq = self.decoder.rotary_emb.inv_freq
+        self.pool = WorkspacePool(
+            config.num_hidden_layers, config.num_key_value_heads, head_dim, model.dtype, model.device
+        )
+        self.eos_ids = self._eos_ids()
+        self._known: dict[str, list[int]] = {}  # block key -> token ids, for ids handed out by index()
+
+    @classmethod
+    def from_pretrained(cls, model: str | None = None, *, dtype: torch.dtype = torch.float32, **kwargs):
+        """Load a local model directory, a GGUF file, a hub id already on disk, or (None) the default model."""
+        lm, tokenizer = model_lib.load(model, dtype=dtype, home=kwargs.get("home") and Path(kwargs["home"]))
+        return cls(lm, tokenizer, **kwargs)
+
+    # ---- blocks -------------------------------------------------------------------------------------
+
+    def _eos_ids(self) -> set[int]:
+        ids = set()
+        for source in (self.model.generation_config.eos_token_id, self.tokenizer.eos_token_id):
+            if source is not None:
+                ids.update(source if isinstance(source, list) else [source])
+        return ids
+
+    def _context(self, prefix: list[int]) -> str:
+        """Block context string: part of every passage block's key."""
+        return "none" if self.block_context == "none" else f"prefix:{self.store.key('none', prefix)}"
+
+    def _encoded_after(self, prefix: list[int]) -> list[int] | None:
+        """What passage blocks are encoded after: nothing, or the prefix."""
+        return prefix if self.block_context == "prefix" else None
+
+    def _check_fits(self, n_tokens: int, what: str) -> None:
+        if n_tokens >= self.context_window:
+            raise ContextOverflowError(
+                f"{what} needs {n_tokens} tokens plus at least one to generate, "
+                f"but the model's context window is {self.context_window} tokens"
+            )
+
+    def index(self, texts: Iterable[str], *, progress: bool = True) -> list[str]:
+        """Compute and store the KV of every passage that is not stored yet; return their block ids."""
+        texts = list(texts) if not isinstance(texts, str) else [texts]
+        if not texts:
+            raise EmptyInputError("no passages to index")
+        texts = [check_text(t, f"passage {i}") for i, t in enumerate(texts)]
+        ids_list = [self.layout.passage_ids(t) for t in texts]
+        for i, ids in enumerate(ids_list):
+            self._check_fits(len(self.layout.prefix_ids) + len(ids), f"passage {i}")
+        prefix = self.layout.prefix_ids
+        context = self._context(prefix)
+        keys = [self.store.key(context, ids) for ids in ids_list]
+        todo = {k: ids for k, ids in zip(keys, ids_list) if k not in self.store}
+        for key, ids in tqdm(todo.items(), desc="kvrag: encoding passages", unit="passage", disable=not progress or not todo):
+            self.store.put(key, context, self._encode(ids, self._encoded_after(prefix)))
+        self._known.update(zip(keys, ids_list))
+        return [f"kv_{k}" for k in keys]
+
+    def _resolve(self, blocks) -> list[tuple[str, list[int]]]:
+        """(key, token ids) for each passage given as text or block id."""
+        context = self._context(self.layout.prefix_ids)
+        resolved = []
+        for i, item in enumerate(blocks):
+            match = _BLOCK_ID.match(item) if isinstance(item, str) else None
+            if match:
+                key = match.group(1)
+                ids = self._known.get(key)
+                if ids is None:
+                    block, _ = self.store.get(key, context)
+                    if block is None:
+                        raise UnknownBlockError(f"block id {item} is not in this engine's store")
+                    ids = self._known[key] = block.token_ids.tolist()
+                resolved.append((key, ids))
+            else:
+                ids = self.layout.passage_ids(check_text(item, f"passage {i}"))
+                resolved.append((self.store.key(context, ids), ids))
+        return resolved
+
+    def build_prompt(self, question: str, blocks=()) -> tuple[Prompt, list[str]]:
+        """Token ids of the request and the store keys of its passage blocks."""
+        question = check_text(question, "question")
+        resolved = self._resolve(blocks)
+        prompt = Prompt(list(self.layout.prefix_ids), [ids for _, ids in resolved], self.layout.question_ids(question))
+        self._check_fits(len(prompt), "the question with its passages")
+        return prompt, [k for k, _ in resolved]
+
+    def _forward(self, ids, cache, start: int, past: int, logits_to_keep: int = 0, causal_only: bool = False):
+        """Run the model on `ids` at positions start.., appending to `cache`, which holds `past` tokens."""
+        ids_t = torch.tensor([ids], device=self.model.device)
+        positions = torch.arange(start, start + len(ids), device=self.model.device)[None]
+        mask = None if causal_only else attention.causal_mask(len(ids), past, self.model.dtype, self.model.device)
+        if logits_to_keep < 0:  # hidden states only
+            return self.decoder(input_ids=ids_t, position_ids=positions, past_key_values=cache, attention_mask=mask)
+        out = self.model(
+            input_ids=ids_t, position_ids=positions, past_key_values=cache, attention_mask=mask, logits_to_keep=logits_to_keep
+        )
+        return out.logits[0]
+
+    @torch.inference_mode()
+    def _encode(self, ids: list[int], after: list[int] | None = None) -> KVBlock:
+        """KV of `ids` alone at position 0, or right after the (cached) block `after`."""
+        pieces, start = [], 0
+        if after is not None:
+            block, _ = self._fetch(self.store.key("none", after), "none", after)
+            pieces, start = [Piece(block, 0)], len(block)
+        ws = self.pool.acquire(start + len(ids))
+        try:
+            fill(ws, pieces, self.inv_freq)
+            cache = ws.cache(start)
+            self._forward(ids, cache, start, start, logits_to_keep=-1, causal_only=not pieces)
+            span = slice(start, start + len(ids))
+            keys = ws.keys[:, 0, :, span].to(self.storage_dtype, copy=True)
+            values = ws.values[:, 0, :, span].to(self.storage_dtype, copy=True)
+        finally:
+            self.pool.release(ws)
+        return KVBlock(torch.tensor(ids, dtype=torch.long), keys, values, start)
+
+    def _fetch(self, key: str, context: str, ids: list[int], after: list[int] | None = None, hits: dict | None = None):
+        """(block, tier) from the store, encoding and storing the block on a miss."""
+        block, tier = self.store.get(key, context)
+        if block is None:
+            block, tier = self._encode(ids, after), "computed"
+            self.store.put(key, context, block)
+        if hits is not None:
+            hits[tier] = hits.get(tier, 0) + 1
+        return block, tier
+
+    # ---- prefill ------------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def prefill(self, prompt: Prompt, mode: str = "block", *, keys=None, extra_capacity: int = 1, all_logits: bool = False) -> Prefill:
+        """Put the prompt's KV into a workspace cache and compute the question tokens' logits.
+
+        The caller owns `result.workspace` and must hand it back with `engine.release(result)`.
+        """
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        if keys is None:
+            context = self._context(prompt.prefix)
+            keys = [self.store.key(context, b) for b in prompt.blocks]
+        ws = self.pool.acquire(len(prompt) + extra_capacity)
+        try:
+            return getattr(self, f"_prefill_{mode}")(prompt, keys, ws, len(prompt.question) if all_logits else 1)
+        except BaseException:
+            self.pool.release(ws)
+            raise
+
+    def release(self, prefill: Prefill) -> None:
+        self.pool.release(prefill.workspace)
+
+    def _prefill_full(self, prompt, keys, ws, keep):
+        ids = prompt.ids()
+        cache = ws.cache(0)
+        logits = self._forward(ids, cache, 0, 0, logits_to_keep=keep, causal_only=True)
+        return Prefill(logits, cache, len(ids), len(ids), 0, {}, ws)
+
+    def _prefill_block(self, prompt, keys, ws, keep, reorder: bool = True):
+        hits: dict[str, int] = {}
+        context = self._context(prompt.prefix)
+        pieces, position, reused = [], 0, 0
+        after = self._encoded_after(prompt.prefix)
+        parts = [(self.store.key("none", prompt.prefix), "none", prompt.prefix, None)]
+        parts += [(k, context, ids, after) for k, ids in zip(keys, prompt.blocks)]
+        for key, ctx, ids, encoded_after in parts:
+            block, tier = self._fetch(key, ctx, ids, encoded_after, hits)
+            pieces.append(Piece(block, position if reorder else block.start))
+            position += len(block)
+            reused += len(block) if tier != "computed" else 0
+        fill(ws, pieces, self.inv_freq)
+        cache = ws.cache(position)
+        logits = self._forward(prompt.question, cache, position, position, logits_to_keep=keep)
+        computed = position - reused + len(prompt.question)
+        return Prefill(logits, cache, position + len(prompt.question), computed, reused, hits, ws)
+
+    def _prefill_composite(self, prompt, keys, ws, keep):
+        return self._prefill_block(prompt, keys, ws, keep, reorder=False)
+
+    def _prefill_prefix(self, prompt, keys, ws, keep):
+        """Prefix caching: segments are keyed by everything before them, so only exact prefixes match."""
+        hits: dict[str, int] = {}
+        segments = [prompt.prefix] + prompt.blocks
+        chain, parent = [], ""
+        for ids in segments:
+            parent = self.store.key(f"chain:{parent}", ids)
+            chain.append(parent)
+        pieces, position = [], 0
+        for i, key in enumerate(chain):
+            context = f"chain:{chain[i - 1] if i else ''}"
+            block, tier = self.store.get(key, context)
+            if block is None:
+                break
+            hits[tier] = hits.get(tier, 0) + 1
+            pieces.append(Piece(block, position))
+            position += len(block)
+        reused = position
+        fill(ws, pieces, self.inv_freq)
+        cache = ws.cache(position)
+        rest = [t for ids in segments[len(pieces) :] for t in ids] + prompt.question
+        logits = self._forward(rest, cache, position, position, logits_to_keep=keep)
+        pending, slot = [], position
+        for i in range(len(pieces), len(segments)):
+            hits["computed"] = hits.get("computed", 0) + 1
+            context = f"chain:{chain[i - 1] if i else ''}"
+            pending.append((chain[i], context, slot, segments[i]))
+            slot += len(segments[i])
+        return Prefill(logits, cache, len(prompt), len(rest), reused, hits, ws, pending)
+
+    def _store_pending(self, prefill: Prefill) -> None:
+        """Save the segments a prefix-caching request computed, read back from its workspace."""
+        ws = prefill.workspace
+        for key, context, slot, ids in prefill.pending:
+            span = slice(slot, slot + len(ids))
+            keys = ws.keys[:, 0, :, span].to(self.storage_dtype, copy=True)
+            values = ws.values[:, 0, :, span].to(self.storage_dtype, copy=True)
+            self.store.put(key, context, KVBlock(torch.tensor(ids, dtype=torch.long), keys, values, slot))
+
+    # ---- generation ---------------------------------------------------------------------------------
+
+    def generate(self, question: str, blocks=(), **kwargs) -> GenerationResult:
+        """Answer `question` from `blocks` (passage texts or block ids). See `stream` for the options."""
+        stream = self.stream(question, blocks, **kwargs)
+        for _ in stream:
+            pass
+        return stream.result
+
+    def stream(
+        self,
+        question: str,
+        blocks=(),
+        *,
+        mode: str = "block",
+        max_new_tokens: int = 128,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int | None = None,
+        stop: list[str] | str | None = None,
+    ) -> GenerationStream:
+        """Stream the answer as text deltas; the returned object's `result` holds text, timings and reuse."""
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        sampler = Sampler(temperature, top_p, top_k, seed)
+        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        stream = GenerationStream(iter(()))
+        stream._events = self._run(stream, question, list(blocks), mode, max_new_tokens, sampler, stops)
+        return stream
+
+    @torch.inference_mode()
+    def _run(self, stream, question, blocks, mode, max_new_tokens, sampler, stops) -> Iterator[str]:
+        start = time.perf_counter()
+        prompt, keys = self.build_prompt(question, blocks)
+        budget = min(max_new_tokens, self.context_window - len(prompt))
+        state = self.prefill(prompt, mode, keys=keys, extra_capacity=budget)
+        tracker = TextTracker(self.tokenizer, stops)
+        ttft, finish = None, "length"
+        try:
+            logits, position = state.logits[-1], state.next_position
+            for step in range(budget):
+                token = sampler(logits)
+                if ttft is None:
+                    ttft = time.perf_counter() - start
+                if token in self.eos_ids:
+                    finish = "stop"
+                    break
+                delta = tracker.push(token)
+                if delta:
+                    yield delta
+                if tracker.stopped:
+                    finish = "stop"
+                    break
+                if step + 1 < budget:
+                    logits = self._forward([token], state.cache, position, position)[-1]
+                    position += 1
+            tail = tracker.flush()
+            if tail:
+                yield tail
+            self._store_pending(state)
+        finally:
+            self.release(state)
+        stream.result = GenerationResult(
+            text=tracker.text,
+            token_ids=list(tracker.ids),
+            mode=mode,
+            ttft=ttft,
+            total_time=time.perf_counter() - start,
+            prompt_tokens=len(prompt),
+            prefilled_tokens=state.prefilled_tokens,
+            reused_tokens=state.reused_tokens,
+            cache_hits=state.cache_hits,
+            finish_reason=finish,
+        )

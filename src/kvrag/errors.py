@@ -1,0 +1,25 @@
+"""Every error kvrag raises on purpose derives from KVRagError, so callers can catch one type."""
+
+
+class KVRagError(Exception):
+    """Base class for kvrag errors."""
+
+
+class UnsupportedModelError(KVRagError):
+    """The model's architecture or RoPE variant cannot be re-encoded exactly."""
+
+
+class EmptyInputError(KVRagError, ValueError):
+    """A passage list, a passage or a question was empty."""
+
+
+class ContextOverflowError(KVRagError, ValueError):
+    """The assembled prompt does not fit in the model's context window."""
+
+
+class UnknownBlockError(KVRagError, KeyError):
+    """A block id was given that this engine never indexed and the store does not hold."""
+
+
+class InputEncodingError(KVRagError, ValueError):
+    """A file is not valid UTF-8 text."""
