@@ -155,6 +155,7 @@ class KVEngine:
         context = self._context(prefix)
         keys = [self.store.key(context, ids) for ids in ids_list]
         todo = {k: ids for k, ids in zip(keys, ids_list) if k not in self.store}
+        self._fetch(self.store.key("none", prefix), "none", prefix)  # every request starts with it
         for key, ids in tqdm(todo.items(), desc="kvrag: encoding passages", unit="passage", disable=not progress or not todo):
             self.store.put(key, context, self._encode(ids, self._encoded_after(prefix)))
         self._known.update(zip(keys, ids_list))

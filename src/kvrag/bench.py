@@ -1,0 +1,111 @@
+"""Time to first token against cached context length: Block-Attention's Table 2 set-up.
+
+A ~50-token question follows 0..8K tokens of cached passages. `full` prefills everything,
+`block` prefills the question only, `prefix` reuses only the system prompt (each run presents the
+passages in an order no earlier request used, as retrieval does), and `floor` prefills the question
+alone with nothing before it. Ratios are against `full` from the same run; FLOPs to first token
+follow the TurboRAG appendix (QKV, attention, output projection and MLP per computed token).
+"""
+
+import statistics
+import time
+
+import torch
+
+from .prompt import Prompt
+
+QUESTION = (
+    "Considering every passage above about the island, its towns, its engineers and its festivals, "
+    "which person designed the northern lighthouse, in what year was it completed, and what material "
+    "was used for its lantern room according to the records?"
+)
+FILLER = (
+    "The archive of the harbour office records ships, cargo, weather and the names of the pilots who "
+    "guided them. Each entry lists the date, the tide, the berth and the fee that was paid. "
+)
+
+
+def flops_to_first_token(config, computed: int, context_before: int) -> float:
+    """FLOPs to prefill `computed` tokens that follow `context_before` cached tokens, plus one LM head."""
+    d = config.hidden_size
+    head_dim = getattr(config, "head_dim", None) or d // config.num_attention_heads
+    d_q = config.num_attention_heads * head_dim
+    d_kv = config.num_key_value_heads * head_dim
+    per_token = 2 * d * (d_q + 2 * d_kv) + 2 * d_q * d + 6 * d * config.intermediate_size
+    # token i of the computed run attends to context_before + i + 1 keys (QK^T and AV: 4 * d_q each)
+    keys = computed * context_before + computed * (computed + 1) / 2
+    attention = 4 * d_q * keys
+    return config.num_hidden_layers * (computed * per_token + attention) + 2 * d * config.vocab_size
+
+
+def make_passages(engine, total_tokens: int, block_tokens: int = 256, tag: str = "") -> list[str]:
+    """Distinct filler passages of about `block_tokens` tokens adding up to about `total_tokens`."""
+    passages, count = [], 0
+    unit = len(engine.layout.passage_ids(FILLER))
+    while count < total_tokens:
+        n = max(1, min(block_tokens, total_tokens - count) // unit)
+        text = f"Record {tag}{len(passages)}. " + FILLER * n
+        passages.append(text)
+        count += len(engine.layout.passage_ids(text))
+    return passages
+
+
+def _ttft(engine, question, passages, mode) -> float:
+    return engine.generate(question, passages, mode=mode, max_new_tokens=1).ttft
+
+
+@torch.inference_mode()
+def _floor(engine, question) -> float:
+    ids = engine.layout.question_ids(question)
+    start = time.perf_counter()
+    state = engine.prefill(Prompt([], [], ids), "full")
+    int(state.logits[-1].argmax())
+    elapsed = time.perf_counter() - start
+    engine.release(state)
+    return elapsed
+
+
+def ttft_table(engine, lengths=(0, 512, 1024, 2048, 4096, 8192), runs: int = 3, question: str = QUESTION, progress=print):
+    """Median TTFT (seconds) per mode and context length; returns a list of row dicts."""
+    config = engine.model.config
+    q_tokens = len(engine.layout.question_ids(question))
+    rows = []
+    for length in lengths:
+        passages = make_passages(engine, length) if length else []
+        if passages:
+            engine.index(passages, progress=False)
+        prompt, _ = engine.build_prompt(question, passages)
+        cached = len(prompt) - q_tokens
+        times = {"floor": [], "full": [], "block": [], "prefix": []}
+        _ttft(engine, question, passages, "block")  # warm-up: buffers and allocator
+        for run in range(runs):
+            times["floor"].append(_floor(engine, question))
+            times["full"].append(_ttft(engine, question, passages, "full"))
+            times["block"].append(_ttft(engine, question, passages, "block"))
+            # passages no earlier request has seen: only the system prompt can be a cached prefix
+            unseen = make_passages(engine, length, tag=f"{run}-") if length else []
+            times["prefix"].append(_ttft(engine, question, unseen, "prefix"))
+        row = {name: statistics.median(values) for name, values in times.items()}
+        row.update(
+            context=cached,
+            question_tokens=q_tokens,
+            flops_full=flops_to_first_token(config, cached + q_tokens, 0),
+            flops_block=flops_to_first_token(config, q_tokens, cached),
+        )
+        rows.append(row)
+        progress(format_row(row))
+    return rows
+
+
+HEADER = (
+    f"{'context':>8} {'floor ms':>9} {'full ms':>9} {'prefix ms':>9} {'block ms':>9} "
+    f"{'full/block':>10} {'block/floor':>11} {'GFLOPs full':>11} {'GFLOPs block':>12}"
+)
+
+
+def format_row(row) -> str:
+    return (
+        f"{row['context']:>8} {row['floor'] * 1e3:>9.1f} {row['full'] * 1e3:>9.1f} {row['prefix'] * 1e3:>9.1f} "
+        f"{row['block'] * 1e3:>9.1f} {row['full'] / row['block']:>9.1f}x {row['block'] / row['floor']:>10.2f}x "
+        f"{row['flops_full'] / 1e9:>11.1f} {row['flops_block'] / 1e9:>12.2f}"
+    )

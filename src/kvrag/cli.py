@@ -1,0 +1,172 @@
+"""Command line: kvrag index | ask | demo | bench ttft."""
+
+import argparse
+import json
+import sys
+from importlib import resources
+from pathlib import Path
+
+from . import MODES
+from .errors import KVRagError
+
+
+def _engine(args):
+    from .engine import KVEngine
+
+    return KVEngine.from_pretrained(args.model, home=args.home, block_context=args.block_context)
+
+
+def _home(args) -> Path:
+    from .model import kvrag_home
+
+    return Path(args.home) if args.home else kvrag_home()
+
+
+def _read(files) -> dict:
+    """Every file's text, read (and checked for UTF-8) before anything is loaded or written."""
+    from .split import read_text
+
+    return {f: read_text(f) for f in files}
+
+
+def _passages(engine, texts: dict, max_tokens: int):
+    from .split import split_passages
+
+    count = lambda text: len(engine.layout.encode(text))  # noqa: E731
+    passages, sources = [], []
+    for f, text in texts.items():
+        for p in split_passages(text, count, max_tokens):
+            passages.append(p)
+            sources.append(str(f))
+    return passages, sources
+
+
+def cmd_index(args):
+    from .retrieval import PassageIndex
+    from .split import text_files
+
+    files = text_files(args.paths)
+    texts = _read(files)
+    engine = _engine(args)
+    passages, sources = _passages(engine, texts, args.max_tokens)
+    before = len(engine.store.memory)
+    engine.index(passages)
+    PassageIndex(_home(args) / "chroma").add(passages, sources)
+    print(f"indexed {len(passages)} passages from {len(files)} files ({len(engine.store.memory) - before} newly encoded)")
+
+
+def _print_stats(result):
+    hits = ", ".join(f"{k} {v}" for k, v in sorted(result.cache_hits.items())) or "none"
+    print(
+        f"[{result.mode}] TTFT {result.ttft * 1e3:.0f} ms, total {result.total_time:.2f} s, "
+        f"prefilled {result.prefilled_tokens} / reused {result.reused_tokens} tokens, blocks: {hits}",
+        file=sys.stderr,
+    )
+
+
+def cmd_ask(args):
+    from .retrieval import PassageIndex
+
+    index = PassageIndex(_home(args) / "chroma")
+    if len(index) == 0:
+        raise KVRagError("nothing is indexed yet: run `kvrag index PATH...` first")
+    passages = index.search(args.question, args.top_k)
+    engine = _engine(args)
+    stream = engine.stream(args.question, passages, mode=args.mode, max_new_tokens=args.max_new_tokens)
+    for delta in stream:
+        print(delta, end="", flush=True)
+    print()
+    _print_stats(stream.result)
+
+
+def cmd_demo(args):
+    from .retrieval import PassageIndex
+
+    sample = Path(str(resources.files("kvrag") / "sample"))
+    files = sorted(sample.glob("*.md"))
+    questions = json.loads((sample / "questions.json").read_text())
+    engine = _engine(args)
+    passages, sources = _passages(engine, _read(files), args.max_tokens)
+    print(f"Indexing {len(passages)} passages about a fictional island (KV computed once, then cached)...")
+    engine.index(passages)
+    index = PassageIndex(_home(args) / "chroma", name="kvrag-demo")
+    index.add(passages, sources)
+    width = 48
+    print(f"\n{'question / mode':<{width}} {'TTFT':>8}  answer")
+    speedups = []
+    for item in questions:
+        question = item["question"]
+        retrieved = index.search(question, args.top_k)
+        print(f"\n{question}")
+        results = {}
+        for mode in ("full", "block"):
+            results[mode] = r = engine.generate(question, retrieved, mode=mode, max_new_tokens=args.max_new_tokens)
+            correct = any(a.lower() in r.text.lower() for a in item["answers"])
+            print(f"  {mode:<{width - 2}} {r.ttft * 1e3:>6.0f}ms  {r.text.strip()}  {'[ok]' if correct else '[?]'}")
+        speedups.append(results["full"].ttft / results["block"].ttft)
+        print(
+            f"  {'block speed-up':<{width - 2}} {speedups[-1]:>7.1f}x  "
+            f"({results['block'].reused_tokens} of {results['block'].prompt_tokens} prompt tokens reused)"
+        )
+    print(f"\nmedian TTFT speed-up of block over full: {sorted(speedups)[len(speedups) // 2]:.1f}x")
+
+
+def cmd_bench(args):
+    from .bench import HEADER, QUESTION, ttft_table
+
+    engine = _engine(args)
+    lengths = [int(x) for x in args.lengths.split(",")]
+    print(f"TTFT, median of {args.runs} runs, {len(engine.layout.question_ids(QUESTION))}-token question block")
+    print(HEADER)
+    ttft_table(engine, lengths, args.runs)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvrag", description=__doc__)
+    parser.add_argument("--model", help="local model directory, GGUF file or cached hub id (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--home", help="cache directory (default: $KVRAG_HOME or ~/.cache/kvrag)")
+    parser.add_argument("--block-context", choices=("none", "prefix"), default="none")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("index", help="split text/markdown files into passages and precompute their KV")
+    p.add_argument("paths", nargs="+")
+    p.add_argument("--max-tokens", type=int, default=200, help="longest passage in tokens")
+    p.set_defaults(func=cmd_index)
+
+    p = sub.add_parser("ask", help="answer a question from the indexed passages")
+    p.add_argument("question")
+    p.add_argument("--mode", choices=MODES, default="block")
+    p.add_argument("--top-k", type=int, default=4)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.set_defaults(func=cmd_ask)
+
+    p = sub.add_parser("demo", help="index the bundled sample corpus and compare full vs block mode")
+    p.add_argument("--top-k", type=int, default=3)
+    p.add_argument("--max-new-tokens", type=int, default=48)
+    p.add_argument("--max-tokens", type=int, default=200)
+    p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("bench", help="benchmarks")
+    bench = p.add_subparsers(dest="bench", required=True)
+    b = bench.add_parser("ttft", help="time to first token vs cached context length")
+    b.add_argument("--lengths", default="0,512,1024,2048,4096,8192")
+    b.add_argument("--runs", type=int, default=3)
+    b.set_defaults(func=cmd_bench)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # weight-loading bars on every start are noise on a terminal
+    try:
+        args.func(args)
+    except (KVRagError, FileNotFoundError) as exc:
+        print(f"kvrag: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,71 @@
+"""End to end on the real default model (SmolLM2-135M-Instruct), loaded once per session, and the CLI."""
+
+import torch
+
+from kvrag.cli import main
+from kvrag.model import kvrag_home
+
+PASSAGES = [
+    "The Varnholm lighthouse was built in 1873 by the engineer Ilsa Brandt. It stands on the northern cliff.",
+    "Orrin Vale is a painter from the town of Selby Cross. His best known work is a mural called The Tin Harvest.",
+    "The river Olm freezes every winter. Fishermen of Kettering Bay cross it on foot in January.",
+]
+
+
+def test_block_mode_answers_from_the_one_passage_that_holds_the_answer(default_engine):
+    default_engine.index(PASSAGES)
+    result = default_engine.generate("Who built the Varnholm lighthouse?", PASSAGES, mode="block", max_new_tokens=30)
+    assert "brandt" in result.text.lower()
+    assert result.reused_tokens > 0 and result.cache_hits == {"memory": 4}
+    assert result.prefilled_tokens == len(default_engine.layout.question_ids("Who built the Varnholm lighthouse?"))
+
+
+def test_full_mode_equals_model_generate_on_the_default_model(default_engine):
+    question = "What is the best known work of Orrin Vale?"
+    result = default_engine.generate(question, PASSAGES, mode="full", max_new_tokens=20)
+    prompt, _ = default_engine.build_prompt(question, PASSAGES)
+    out = default_engine.model.generate(
+        torch.tensor([prompt.ids()]), max_new_tokens=20, do_sample=False, eos_token_id=sorted(default_engine.eos_ids)
+    )
+    assert result.token_ids == [t for t in out[0, len(prompt) :].tolist() if t not in default_engine.eos_ids]
+
+
+def test_default_model_is_converted_once_and_cached(default_engine):
+    from kvrag import KVEngine
+
+    converted = list((kvrag_home() / "models").glob("SmolLM2-135M-Instruct.Q4_1-*/model.safetensors"))
+    assert len(converted) == 1
+    again = KVEngine.from_pretrained()
+    assert again.fingerprint == default_engine.fingerprint
+
+
+def test_cli_index_and_ask(tmp_path, capsys):
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "island.md").write_text("\n\n".join(PASSAGES[:2]))
+    (docs / "river.txt").write_text(PASSAGES[2])
+    assert main(["index", str(docs)]) == 0
+    # the first two passages are short (< 32 tokens each), so they are joined into one
+    assert "indexed 2 passages from 2 files" in capsys.readouterr().out
+    assert main(["ask", "Who built the Varnholm lighthouse?", "--top-k", "2"]) == 0
+    captured = capsys.readouterr()
+    assert "brandt" in captured.out.lower()
+    assert "[block] TTFT" in captured.err and "blocks: disk 3" in captured.err  # a new engine reads the files
+
+
+def test_cli_refuses_a_non_utf8_file_and_indexes_nothing(tmp_path, capsys):
+    home = tmp_path / "home"
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "good.txt").write_text(PASSAGES[0])
+    (docs / "bad.txt").write_bytes(b"caf\xe9 au lait")
+    assert main(["--home", str(home), "index", str(docs)]) == 2
+    assert "bad.txt is not UTF-8" in capsys.readouterr().err
+    assert not home.exists()  # checked before the model was even loaded: no KV, no Chroma collection
+
+
+def test_demo_runs_offline(capsys):
+    assert main(["demo"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("  full ") == out.count("  block ") >= 4
+    assert "median TTFT speed-up of block over full" in out
