@@ -60,18 +60,18 @@ class Prefill:
     reused_tokens: int
     cache_hits: dict[str, int]
     workspace: object
-    pending: list = field(default_factory=list)  # (key, context, slot, length, position) to store afterwards
+    pending: list = field(default_factory=list)  # (key, context, slot, token ids) to store afterwards
 
 
 class GenerationStream:
     """Iterate for text deltas; `result` is set once the iteration is over."""
 
-    def __init__(self, events: Iterator[str]):
-        self._events = events
+    def __init__(self, run: Iterator[str]):
+        self._run = run
         self.result: GenerationResult | None = None
 
-    def __iter__(self):
-        return self._events
+    def __iter__(self) -> Iterator[str]:
+        self.result = yield from self._run
 
 
 class KVEngine:
@@ -348,12 +348,11 @@ class KVEngine:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         sampler = Sampler(temperature, top_p, top_k, seed)
         stops = [stop] if isinstance(stop, str) else list(stop or [])
-        stream = GenerationStream(iter(()))
-        stream._events = self._run(stream, question, list(blocks), mode, max_new_tokens, sampler, stops)
-        return stream
+        return GenerationStream(self._run(question, list(blocks), mode, max_new_tokens, sampler, stops))
 
     @torch.inference_mode()
-    def _run(self, stream, question, blocks, mode, max_new_tokens, sampler, stops) -> Iterator[str]:
+    def _run(self, question, blocks, mode, max_new_tokens, sampler, stops):
+        """Yield text deltas; return the GenerationResult."""
         start = time.perf_counter()
         prompt, keys = self.build_prompt(question, blocks)
         budget = min(max_new_tokens, self.context_window - len(prompt))
@@ -384,7 +383,7 @@ class KVEngine:
             self._store_pending(state)
         finally:
             self.release(state)
-        stream.result = GenerationResult(
+        return GenerationResult(
             text=tracker.text,
             token_ids=list(tracker.ids),
             mode=mode,

@@ -31,26 +31,25 @@ def check_composable(config) -> None:
         )
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 def delta_cos_sin(delta: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype):
-    """cos/sin of the pure rotation by `delta` positions, shaped [n, head_dim].
+    """cos/sin of the pure rotation by `delta` positions, one column per frequency: [n, head_dim // 2].
 
     Angles are computed in float64 so that large deltas lose no precision before the cast.
     """
     angles = delta.to(torch.float64)[:, None] * inv_freq.to(torch.float64)[None, :]
-    angles = torch.cat((angles, angles), dim=-1)
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
-def shift_keys(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor | None = None):
-    """Rotate keys [..., n, head_dim] by per-token cos/sin [n, head_dim] (HF's rotate_half layout)."""
-    keys = keys.to(cos.dtype)
-    rotated = keys * cos + rotate_half(keys) * sin
-    if out is None:
-        return rotated
-    out.copy_(rotated)
+def shift_keys(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Write keys [..., n, head_dim] rotated by cos/sin [n or 1, head_dim // 2] into `out`.
+
+    transformers pairs dimension i with i + head_dim/2 (rotate_half), so each half is a
+    multiply-add of the two input halves; writing straight into `out` (the KV workspace) keeps the
+    cost close to a copy, and the dtype conversion from storage happens on the way.
+    """
+    half = keys.shape[-1] // 2
+    k1, k2 = keys[..., :half], keys[..., half:]
+    o1, o2 = out[..., :half], out[..., half:]
+    torch.mul(k1, cos, out=o1).addcmul_(k2, sin, value=-1)
+    torch.mul(k2, cos, out=o2).addcmul_(k1, sin)
     return out
