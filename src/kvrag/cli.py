@@ -149,7 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="benchmarks")
     bench = p.add_subparsers(dest="bench", required=True)
     b = bench.add_parser("ttft", help="time to first token vs cached context length")
-    b.add_argument("--lengths", default="0,512,1024,2048,4096,8192")
+    b.add_argument("--lengths", default="0,512,1024,2048,4096,8000", help="context tokens before the question")
     b.add_argument("--runs", type=int, default=3)
     b.set_defaults(func=cmd_bench)
     return parser

@@ -43,13 +43,14 @@ def delta_cos_sin(delta: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtyp
 def shift_keys(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """Write keys [..., n, head_dim] rotated by cos/sin [n or 1, head_dim // 2] into `out`.
 
-    transformers pairs dimension i with i + head_dim/2 (rotate_half), so each half is a
-    multiply-add of the two input halves; writing straight into `out` (the KV workspace) keeps the
-    cost close to a copy, and the dtype conversion from storage happens on the way.
+    transformers pairs dimension i with i + head_dim/2 (rotate_half). Copying first (which also
+    converts from the storage dtype) and rotating in place in the compute dtype is about twice as
+    fast on CPU as mixed-dtype arithmetic straight from the stored tensor.
     """
     half = keys.shape[-1] // 2
-    k1, k2 = keys[..., :half], keys[..., half:]
-    o1, o2 = out[..., :half], out[..., half:]
-    torch.mul(k1, cos, out=o1).addcmul_(k2, sin, value=-1)
-    torch.mul(k2, cos, out=o2).addcmul_(k1, sin)
+    out.copy_(keys)
+    first, second = out[..., :half], out[..., half:]
+    first_before = first.clone()
+    first.mul_(cos).addcmul_(second, sin, value=-1)
+    second.mul_(cos).addcmul_(first_before, sin)
     return out
