@@ -71,7 +71,7 @@ def ttft_table(engine, lengths=(0, 512, 1024, 2048, 4096, 8000), runs: int = 3, 
             times["full"].append(_ttft(engine, question, passages, "full"))
             times["block"].append(_ttft(engine, question, passages, "block"))
             # passages no earlier request has seen: only the system prompt can be a cached prefix
-            unseen = make_passages(engine, budget, tag=f"{run}-") if passages else []
+            unseen = make_passages(engine, budget, tag=f"{length}-{run}-") if passages else []
             times["prefix"].append(_ttft(engine, question, unseen, "prefix"))
         row = {name: statistics.median(values) for name, values in times.items()}
         row.update(
