@@ -50,11 +50,6 @@ def one_thread():
 
 
 @pytest.fixture(scope="module")
-def tok():
-    return tiny_tokenizer()
-
-
-@pytest.fixture(scope="module")
 def model0(tok):
     return tiny_model(tiny_configs(len(tok))["llama"], seed=0)
 

@@ -189,11 +189,11 @@ class KVEngine:
         self._check_fits(len(prompt), "the question with its passages")
         return prompt, [k for k, _ in resolved]
 
-    def _forward(self, ids, cache, start: int, past: int, logits_to_keep: int = 0, causal_only: bool = False):
-        """Run the model on `ids` at positions start.., appending to `cache`, which holds `past` tokens."""
+    def _forward(self, ids, cache, start: int, logits_to_keep: int = 0, causal_only: bool = False):
+        """Run the model on `ids` at positions start.., appending to `cache`, which holds `start` tokens."""
         ids_t = torch.tensor([ids], device=self.model.device)
         positions = torch.arange(start, start + len(ids), device=self.model.device)[None]
-        mask = None if causal_only else attention.causal_mask(len(ids), past, self.model.dtype, self.model.device)
+        mask = None if causal_only else attention.causal_mask(len(ids), start, self.model.dtype, self.model.device)
         if logits_to_keep < 0:  # hidden states only
             return self.decoder(input_ids=ids_t, position_ids=positions, past_key_values=cache, attention_mask=mask)
         out = self.model(
@@ -212,7 +212,7 @@ class KVEngine:
         try:
             fill(ws, pieces, self.inv_freq)
             cache = ws.cache(start)
-            self._forward(ids, cache, start, start, logits_to_keep=-1, causal_only=not pieces)
+            self._forward(ids, cache, start, logits_to_keep=-1, causal_only=not pieces)
             span = slice(start, start + len(ids))
             keys = ws.keys[:, 0, :, span].to(self.storage_dtype, copy=True)
             values = ws.values[:, 0, :, span].to(self.storage_dtype, copy=True)
@@ -256,7 +256,7 @@ class KVEngine:
     def _prefill_full(self, prompt, keys, ws, keep):
         ids = prompt.ids()
         cache = ws.cache(0)
-        logits = self._forward(ids, cache, 0, 0, logits_to_keep=keep, causal_only=True)
+        logits = self._forward(ids, cache, 0, logits_to_keep=keep, causal_only=True)
         return Prefill(logits, cache, len(ids), len(ids), 0, {}, ws)
 
     def _prefill_block(self, prompt, keys, ws, keep, reorder: bool = True):
@@ -273,7 +273,7 @@ class KVEngine:
             reused += len(block) if tier != "computed" else 0
         fill(ws, pieces, self.inv_freq)
         cache = ws.cache(position)
-        logits = self._forward(prompt.question, cache, position, position, logits_to_keep=keep)
+        logits = self._forward(prompt.question, cache, position, logits_to_keep=keep)
         computed = position - reused + len(prompt.question)
         return Prefill(logits, cache, position + len(prompt.question), computed, reused, hits, ws)
 
@@ -301,7 +301,7 @@ class KVEngine:
         fill(ws, pieces, self.inv_freq)
         cache = ws.cache(position)
         rest = [t for ids in segments[len(pieces) :] for t in ids] + prompt.question
-        logits = self._forward(rest, cache, position, position, logits_to_keep=keep)
+        logits = self._forward(rest, cache, position, logits_to_keep=keep)
         pending, slot = [], position
         for i in range(len(pieces), len(segments)):
             hits["computed"] = hits.get("computed", 0) + 1
@@ -375,7 +375,7 @@ class KVEngine:
                     finish = "stop"
                     break
                 if step + 1 < budget:
-                    logits = self._forward([token], state.cache, position, position)[-1]
+                    logits = self._forward([token], state.cache, position)[-1]
                     position += 1
             tail = tracker.flush()
             if tail:
