@@ -115,7 +115,8 @@ class KVEngine:
     @classmethod
     def from_pretrained(cls, model: str | None = None, *, dtype: torch.dtype = torch.float32, **kwargs):
         """Load a local model directory, a GGUF file, a hub id already on disk, or (None) the default model."""
-        lm, tokenizer = model_lib.load(model, dtype=dtype, home=kwargs.get("home") and Path(kwargs["home"]))
+        home = kwargs.get("home")
+        lm, tokenizer = model_lib.load(model, dtype=dtype, home=Path(home) if home is not None else None)
         return cls(lm, tokenizer, **kwargs)
 
     # ---- blocks -------------------------------------------------------------------------------------
@@ -213,12 +214,16 @@ class KVEngine:
             fill(ws, pieces, self.inv_freq)
             cache = ws.cache(start)
             self._forward(ids, cache, start, logits_to_keep=-1, causal_only=not pieces)
-            span = slice(start, start + len(ids))
-            keys = ws.keys[:, 0, :, span].to(self.storage_dtype, copy=True)
-            values = ws.values[:, 0, :, span].to(self.storage_dtype, copy=True)
+            return self._block_from(ws, start, ids)
         finally:
             self.pool.release(ws)
-        return KVBlock(torch.tensor(ids, dtype=torch.long), keys, values, start)
+
+    def _block_from(self, ws, slot: int, ids: list[int]) -> KVBlock:
+        """A stored copy of the KV that `ids` left in workspace slots slot.. (keys as encoded there)."""
+        span = slice(slot, slot + len(ids))
+        keys = ws.keys[:, 0, :, span].to(self.storage_dtype, copy=True)
+        values = ws.values[:, 0, :, span].to(self.storage_dtype, copy=True)
+        return KVBlock(torch.tensor(ids, dtype=torch.long), keys, values, slot)
 
     def _fetch(self, key: str, context: str, ids: list[int], after: list[int] | None = None, hits: dict | None = None):
         """(block, tier) from the store, encoding and storing the block on a miss."""
@@ -312,12 +317,8 @@ class KVEngine:
 
     def _store_pending(self, prefill: Prefill) -> None:
         """Save the segments a prefix-caching request computed, read back from its workspace."""
-        ws = prefill.workspace
         for key, context, slot, ids in prefill.pending:
-            span = slice(slot, slot + len(ids))
-            keys = ws.keys[:, 0, :, span].to(self.storage_dtype, copy=True)
-            values = ws.values[:, 0, :, span].to(self.storage_dtype, copy=True)
-            self.store.put(key, context, KVBlock(torch.tensor(ids, dtype=torch.long), keys, values, slot))
+            self.store.put(key, context, self._block_from(prefill.workspace, slot, ids))
 
     # ---- generation ---------------------------------------------------------------------------------
 
