@@ -1,6 +1,7 @@
 """Command line: kvrag index | ask | demo | bench ttft."""
 
 import argparse
+import hashlib
 import json
 import sys
 from importlib import resources
@@ -89,7 +90,9 @@ def cmd_demo(args):
     passages, sources = _passages(engine, _read(files), args.max_tokens)
     print(f"Indexing {len(passages)} passages about a fictional island (KV computed once, then cached)...")
     engine.index(passages)
-    index = PassageIndex(_home(args) / "chroma", name="kvrag-demo")
+    # one collection per version of the corpus, so passages of an older sample are never retrieved
+    version = hashlib.sha256("".join(sorted(passages)).encode()).hexdigest()[:12]
+    index = PassageIndex(_home(args) / "chroma", name=f"kvrag-demo-{version}")
     index.add(passages, sources)
     width = 48
     print(f"\n{'question / mode':<{width}} {'TTFT':>8}  answer")
