@@ -50,10 +50,9 @@ def cmd_index(args):
     texts = _read(files)
     engine = _engine(args)
     passages, sources = _passages(engine, texts, args.max_tokens)
-    before = len(engine.store.memory)
-    engine.index(passages)
+    engine.index(passages)  # its progress bar shows how many were newly encoded
     PassageIndex(_home(args) / "chroma").add(passages, sources)
-    print(f"indexed {len(passages)} passages from {len(files)} files ({len(engine.store.memory) - before} newly encoded)")
+    print(f"indexed {len(passages)} passages from {len(files)} files")
 
 
 def _print_stats(result):
