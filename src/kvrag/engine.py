@@ -9,7 +9,9 @@ Modes (all prefill exactly the ids of `Prompt.ids()`; they differ in what is reu
              computed before in the same order, prefill the rest
 """
 
+import os
 import re
+import threading
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -23,12 +25,15 @@ from .assemble import Piece, fill
 from .cache import WorkspacePool
 from .errors import ContextOverflowError, EmptyInputError, InputEncodingError, UnknownBlockError
 from .generate import GenerationResult, Sampler, TextTracker
+from .match import PassageMatcher
 from .prompt import Prompt, PromptFormat, PromptLayout
 from .store import KVBlock, KVStore
 
 MODES = ("full", "block", "composite", "prefix")
 BLOCK_CONTEXTS = ("none", "prefix")
 _BLOCK_ID = re.compile(r"^kv_([0-9a-f]{32})$")
+_SHARED: dict = {}
+_SHARED_LOCK = threading.Lock()
 
 
 def check_text(text, what: str = "passage") -> str:
@@ -101,6 +106,7 @@ class KVEngine:
         self.home = Path(home) if home is not None else model_lib.kvrag_home()
         root = self.home / "kv" / self.fingerprint[:16] if persist else None
         self.store = KVStore(self.fingerprint, root, memory_budget)
+        self.passages = PassageMatcher(root / "passages.sqlite" if root is not None else None)
         self.context_window = model_lib.context_window(model.config)
         config = model.config
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -119,6 +125,18 @@ class KVEngine:
         lm, tokenizer = model_lib.load(model, dtype=dtype, home=Path(home) if home is not None else None)
         return cls(lm, tokenizer, **kwargs)
 
+    @classmethod
+    def shared(cls, model: str | None = None, **kwargs) -> "KVEngine":
+        """`from_pretrained`, but once per process for the same arguments and KVRAG_HOME.
+
+        Integrations build many model objects (one per chain, per test); the weights load once.
+        """
+        key = (model, os.environ.get("KVRAG_HOME"), tuple(sorted(kwargs.items())))
+        with _SHARED_LOCK:
+            if key not in _SHARED:
+                _SHARED[key] = cls.from_pretrained(model, **kwargs)
+            return _SHARED[key]
+
     # ---- blocks -------------------------------------------------------------------------------------
 
     def _eos_ids(self) -> set[int]:
@@ -130,11 +148,11 @@ class KVEngine:
 
     def _context(self, prefix: list[int]) -> str:
         """Block context string: part of every passage block's key."""
-        return "none" if self.block_context == "none" else f"prefix:{self.store.key('none', prefix)}"
+        return f"prefix:{self.store.key('none', prefix)}" if self._encoded_after(prefix) else "none"
 
     def _encoded_after(self, prefix: list[int]) -> list[int] | None:
         """What passage blocks are encoded after: nothing, or the prefix."""
-        return prefix if self.block_context == "prefix" else None
+        return prefix if self.block_context == "prefix" and prefix else None
 
     def _check_fits(self, n_tokens: int, what: str) -> None:
         if n_tokens >= self.context_window:
@@ -160,6 +178,7 @@ class KVEngine:
         for key, ids in tqdm(todo.items(), desc="kvrag: encoding passages", unit="passage", disable=not progress or not todo):
             self.store.put(key, context, self._encode(ids, self._encoded_after(prefix)))
         self._known.update(zip(keys, ids_list))
+        self.passages.add(texts)
         return [f"kv_{k}" for k in keys]
 
     def _resolve(self, blocks) -> list[tuple[str, list[int]]]:
@@ -189,6 +208,46 @@ class KVEngine:
         prompt = Prompt(list(self.layout.prefix_ids), [ids for _, ids in resolved], self.layout.question_ids(question))
         self._check_fits(len(prompt), "the question with its passages")
         return prompt, [k for k, _ in resolved]
+
+    def prompt_from_text(self, text: str, spans=None) -> tuple[Prompt, list[str]]:
+        """Token ids of an already rendered prompt (chat template applied) whose passages become blocks.
+
+        `spans` are the passages' (start, end) character ranges; None finds the indexed passages in
+        `text` by content. A span widens to the passage format around it (by default the "\n\n" that
+        follows) where the text has it, so that it tokenizes exactly as the block `index` stored.
+        Text before the first passage is the prefix, text between passages forms small blocks of its
+        own, text after the last passage is the question.
+        """
+        text = check_text(text, "prompt")
+        spans = self.passages.find(text) if spans is None else sorted(spans)
+        before, after = self.layout.format.passage.split("{text}")
+        cuts, end = [], 0
+        for start, stop in spans:
+            if not end <= start < stop <= len(text):
+                raise ValueError(f"passage span {(start, stop)} is empty, overlaps another or lies outside the prompt")
+            if text.startswith(after, stop) and text[start - len(before) : start] == before and start - len(before) >= end:
+                start, stop = start - len(before), stop + len(after)
+            cuts.append((start, stop))
+            end = stop
+        if not cuts:
+            prompt = Prompt([], [], self.layout.encode(text))
+            self._check_fits(len(prompt), "the prompt")
+            return prompt, []
+        if not text[end:].strip():
+            raise EmptyInputError("the prompt ends with a passage: a question must follow the passages")
+        pieces = []
+        for (start, stop), next_start in zip(cuts, [c[0] for c in cuts[1:]] + [None]):
+            pieces.append(text[start:stop])
+            if next_start is not None and next_start > stop:
+                pieces.append(text[stop:next_start])
+        prompt = Prompt(
+            self.layout.encode(text[: cuts[0][0]]), [self.layout.block_ids(p) for p in pieces], self.layout.encode(text[end:])
+        )
+        for i, (start, stop) in enumerate(cuts):
+            self._check_fits(len(prompt.prefix) + len(self.layout.block_ids(text[start:stop])), f"passage {i} of the prompt")
+        self._check_fits(len(prompt), "the prompt with its passages")
+        context = self._context(prompt.prefix)
+        return prompt, [self.store.key(context, ids) for ids in prompt.blocks]
 
     def _forward(self, ids, cache, start: int, logits_to_keep: int = 0, causal_only: bool = False):
         """Run the model on `ids` at positions start.., appending to `cache`, which holds `start` tokens."""
@@ -269,7 +328,7 @@ class KVEngine:
         context = self._context(prompt.prefix)
         pieces, position, reused = [], 0, 0
         after = self._encoded_after(prompt.prefix)
-        parts = [(self.store.key("none", prompt.prefix), "none", prompt.prefix, None)]
+        parts = [(self.store.key("none", prompt.prefix), "none", prompt.prefix, None)] if prompt.prefix else []
         parts += [(k, context, ids, after) for k, ids in zip(keys, prompt.blocks)]
         for key, ctx, ids, encoded_after in parts:
             block, tier = self._fetch(key, ctx, ids, encoded_after, hits)
@@ -288,7 +347,7 @@ class KVEngine:
     def _prefill_prefix(self, prompt, keys, ws, keep):
         """Prefix caching: segments are keyed by everything before them, so only exact prefixes match."""
         hits: dict[str, int] = {}
-        segments = [prompt.prefix] + prompt.blocks
+        segments = [s for s in [prompt.prefix, *prompt.blocks] if s]
         chain, parent = [], ""
         for ids in segments:
             parent = self.store.key(f"chain:{parent}", ids)
@@ -324,15 +383,29 @@ class KVEngine:
 
     def generate(self, question: str, blocks=(), **kwargs) -> GenerationResult:
         """Answer `question` from `blocks` (passage texts or block ids). See `stream` for the options."""
-        stream = self.stream(question, blocks, **kwargs)
-        for _ in stream:
-            pass
-        return stream.result
+        return _drain(self.stream(question, blocks, **kwargs))
 
-    def stream(
+    def stream(self, question: str, blocks=(), **kwargs) -> GenerationStream:
+        """Stream the answer as text deltas; the returned object's `result` holds text, timings and reuse.
+
+        Options: mode, max_new_tokens, temperature, top_p, top_k, seed, stop.
+        """
+        blocks = list(blocks)
+        return self._stream(lambda: self.build_prompt(question, blocks), **kwargs)
+
+    def generate_text(self, text: str, spans=None, **kwargs) -> GenerationResult:
+        """Complete an already rendered prompt. See `stream_text`."""
+        return _drain(self.stream_text(text, spans, **kwargs))
+
+    def stream_text(self, text: str, spans=None, **kwargs) -> GenerationStream:
+        """Stream the completion of an already rendered prompt (chat template applied), its passages
+        (the given character spans, or the indexed passages found in it) reused as blocks. Options as
+        for `stream`; see `prompt_from_text` for how the text is cut."""
+        return self._stream(lambda: self.prompt_from_text(text, spans), **kwargs)
+
+    def _stream(
         self,
-        question: str,
-        blocks=(),
+        build,
         *,
         mode: str = "block",
         max_new_tokens: int = 128,
@@ -342,20 +415,19 @@ class KVEngine:
         seed: int | None = None,
         stop: list[str] | str | None = None,
     ) -> GenerationStream:
-        """Stream the answer as text deltas; the returned object's `result` holds text, timings and reuse."""
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         sampler = Sampler(temperature, top_p, top_k, seed)
         stops = [stop] if isinstance(stop, str) else list(stop or [])
-        return GenerationStream(self._run(question, list(blocks), mode, max_new_tokens, sampler, stops))
+        return GenerationStream(self._run(build, mode, max_new_tokens, sampler, stops))
 
     @torch.inference_mode()
-    def _run(self, question, blocks, mode, max_new_tokens, sampler, stops):
-        """Yield text deltas; return the GenerationResult."""
+    def _run(self, build, mode, max_new_tokens, sampler, stops):
+        """Yield text deltas; return the GenerationResult. `build` makes (prompt, keys): inside the timing."""
         start = time.perf_counter()
-        prompt, keys = self.build_prompt(question, blocks)
+        prompt, keys = build()
         budget = min(max_new_tokens, self.context_window - len(prompt))
         state = self.prefill(prompt, mode, keys=keys, extra_capacity=budget)
         tracker = TextTracker(self.tokenizer, stops)
@@ -396,3 +468,9 @@ class KVEngine:
             cache_hits=state.cache_hits,
             finish_reason=finish,
         )
+
+
+def _drain(stream: GenerationStream) -> GenerationResult:
+    for _ in stream:
+        pass
+    return stream.result

@@ -70,12 +70,16 @@ class PromptLayout:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     def passage_ids(self, text: str) -> list[int]:
-        return list(self._passage_ids(text))
+        return self.block_ids(self.format.passage.format(text=text))
+
+    def block_ids(self, text: str) -> list[int]:
+        """Ids of a block's text tokenized alone."""
+        return list(self._block_ids(text))
 
     @functools.lru_cache(maxsize=16384)
-    def _passage_ids(self, text: str) -> tuple[int, ...]:
+    def _block_ids(self, text: str) -> tuple[int, ...]:
         # retrieved passages recur across questions; tokenizing thousands of tokens each time shows in TTFT
-        return tuple(self.encode(self.format.passage.format(text=text)))
+        return tuple(self.encode(text))
 
     def question_ids(self, question: str) -> list[int]:
         return self.encode(self.format.question.format(question=question) + self.tail)

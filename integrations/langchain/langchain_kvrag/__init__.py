@@ -1,0 +1,1 @@
+"""LangChain integration for kvrag."""

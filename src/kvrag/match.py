@@ -1,0 +1,120 @@
+"""Find indexed passages inside an arbitrary prompt by content, so unmodified RAG chains reuse their KV.
+
+A chain that stuffs retrieved passages into a prompt leaves no markers, and separators tokenize
+differently inside text (the LMCache trap), so passages are found by what they are: a polynomial
+rolling hash over the prompt's characters proposes positions where a known passage's first
+characters occur, and an exact string comparison confirms the whole passage.
+
+Known passages persist in a small SQLite file next to their KV, so a chat model in one process
+finds passages that a vector store indexed in another.
+"""
+
+import hashlib
+import sqlite3
+import threading
+from pathlib import Path
+
+import numpy as np
+
+_BASE = np.uint64(0x100000001B3)  # odd, hence invertible modulo 2**64
+_BASE_INV = np.uint64(pow(int(_BASE), -1, 1 << 64))
+
+
+def _codes(text: str) -> np.ndarray:
+    return np.frombuffer(text.encode("utf-32-le", "surrogatepass"), dtype=np.uint32).astype(np.uint64)
+
+
+def _powers(base: np.uint64, n: int) -> np.ndarray:
+    """base**0 .. base**(n-1) modulo 2**64 (numpy's unsigned arithmetic wraps)."""
+    out = np.full(n, base, dtype=np.uint64)
+    out[0] = 1
+    return np.cumprod(out, dtype=np.uint64)
+
+
+def window_hashes(text: str, width: int) -> np.ndarray:
+    """Hash of every `width`-character window of `text`, the same value wherever the window occurs."""
+    codes = _codes(text)
+    n = len(codes)
+    if n < width:
+        return np.empty(0, dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        sums = np.concatenate(([np.uint64(0)], np.cumsum(codes * _powers(_BASE, n), dtype=np.uint64)))
+        # sums[i + w] - sums[i] = base**i * hash(window at i); multiply the base**i away
+        return (sums[width:] - sums[: n - width + 1]) * _powers(_BASE_INV, n - width + 1)
+
+
+class PassageMatcher:
+    """The texts of indexed passages, and where they occur in a prompt.
+
+    Passages shorter than `min_chars` are never matched: they could occur by chance inside other
+    text, and prefilling them costs little anyway.
+    """
+
+    def __init__(self, path: str | Path | None = None, *, window: int = 64, min_chars: int = 32):
+        self.window, self.min_chars = window, min_chars
+        self._buckets: dict[int, dict[int, list[str]]] = {}  # window width -> head hash -> passages
+        self._seen: set[str] = set()
+        self._lock = threading.Lock()
+        self._db = self._version = None
+        self._last_row = 0
+        if path is not None:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            self._db = sqlite3.connect(str(path), timeout=60, check_same_thread=False, isolation_level=None)
+            self._db.execute("CREATE TABLE IF NOT EXISTS passages (digest TEXT PRIMARY KEY, text TEXT NOT NULL)")
+
+    def __len__(self) -> int:
+        self._refresh()
+        return len(self._seen)
+
+    def add(self, texts) -> None:
+        texts = [t for t in dict.fromkeys(texts) if len(t) >= self.min_chars]
+        with self._lock:
+            if self._db is not None:
+                rows = [(hashlib.sha256(t.encode("utf-8", "surrogatepass")).hexdigest(), t) for t in texts]
+                with self._db:  # one transaction: concurrent writers wait on SQLite's lock
+                    self._db.execute("BEGIN IMMEDIATE")
+                    self._db.executemany("INSERT OR IGNORE INTO passages VALUES (?, ?)", rows)
+            for text in texts:
+                self._remember(text)
+
+    def _remember(self, text: str) -> None:
+        if text in self._seen:
+            return
+        self._seen.add(text)
+        width = min(self.window, len(text))
+        head = int(window_hashes(text[:width], width)[0])
+        self._buckets.setdefault(width, {}).setdefault(head, []).append(text)
+
+    def _refresh(self) -> None:
+        """Load passages that other processes (or other engines) have added since the last look."""
+        if self._db is None:
+            return
+        with self._lock:
+            version = self._db.execute("PRAGMA data_version").fetchone()[0]
+            if version == self._version and self._last_row:
+                return
+            for row, text in self._db.execute("SELECT rowid, text FROM passages WHERE rowid > ? ORDER BY rowid", (self._last_row,)):
+                self._remember(text)
+                self._last_row = row
+            self._version = version
+
+    def find(self, text: str) -> list[tuple[int, int]]:
+        """(start, end) character spans of known passages in `text`: leftmost first, longest at
+        each start, never overlapping."""
+        self._refresh()
+        found = []
+        for width, bucket in self._buckets.items():
+            hashes = window_hashes(text, width)
+            if not len(hashes):
+                continue
+            heads = np.fromiter(bucket.keys(), dtype=np.uint64, count=len(bucket))
+            for start in np.flatnonzero(np.isin(hashes, heads)).tolist():
+                for passage in bucket[int(hashes[start])]:
+                    if text.startswith(passage, start):
+                        found.append((start, start + len(passage)))
+        spans, end = [], 0
+        for start, stop in sorted(found, key=lambda s: (s[0], -s[1])):
+            if start >= end:
+                spans.append((start, stop))
+                end = stop
+        return spans

@@ -1,0 +1,135 @@
+"""Finding indexed passages inside rendered prompts (drop-in reuse) and cutting prompts at them."""
+
+import multiprocessing
+
+import numpy as np
+import pytest
+
+from kvrag import EmptyInputError
+from kvrag.match import PassageMatcher, window_hashes
+
+P1 = "The Varnholm lighthouse was built in 1873 by the engineer Ilsa Brandt on the northern cliff."
+P2 = "Orrin Vale painted The Tin Harvest, a mural on the old grain store of Selby Cross, in 1921."
+P3 = "Short but long enough: thirty-two+"  # exactly 34 characters, below the 64-character window
+
+
+def test_window_hash_depends_on_content_not_position():
+    text = "xyz" + P1 + "abc" + P1[:64]
+    hashes = window_hashes(text, 64)
+    assert hashes[3] == hashes[3 + len(P1) + 3] == window_hashes(P1[:64], 64)[0]
+    assert len(set(hashes.tolist())) == len(hashes) - 1  # every other window differs
+    assert window_hashes("short", 64).size == 0
+
+
+def test_find_returns_exact_non_overlapping_spans_and_verifies_content():
+    matcher = PassageMatcher(min_chars=32)
+    matcher.add([P1, P2, P3, "tiny passage"])
+    text = f"Context:\n{P2}\n\n{P1}\n\n{P3} and {P1[:-1]}? Question: ..."
+    spans = matcher.find(text)
+    assert [text[a:b] for a, b in spans] == [P2, P1, P3]
+    assert matcher.find("tiny passage " * 5) == []  # too short to match by chance
+
+
+def test_same_head_different_tail_is_not_a_match():
+    matcher = PassageMatcher()
+    matcher.add([P1])
+    near_miss = P1[:80] + "X" + P1[81:]
+    assert matcher.find(f"a {near_miss} b") == []
+
+
+def test_longest_passage_wins_at_the_same_start():
+    longer = P1 + " It was painted red in 1901 and again in 1950."
+    matcher = PassageMatcher()
+    matcher.add([P1, longer])
+    text = f"see {longer} end"
+    assert [text[a:b] for a, b in matcher.find(text)] == [longer]
+
+
+def _add_in_process(path, texts):
+    PassageMatcher(path).add(texts)
+
+
+def test_passages_persist_and_are_shared_between_processes(tmp_path):
+    path = tmp_path / "passages.sqlite"
+    reader = PassageMatcher(path)
+    assert reader.find(f"x {P1} y") == []
+    ctx = multiprocessing.get_context("spawn")
+    writers = [ctx.Process(target=_add_in_process, args=(path, [P1, P2])) for _ in range(2)]
+    for w in writers:
+        w.start()
+    for w in writers:
+        w.join(60)
+        assert w.exitcode == 0
+    assert len(reader) == 2  # the same reader sees what other processes added
+    assert len(PassageMatcher(path).find(f"{P2} and {P1} ")) == 2
+
+
+# ---- prompts cut at passages ----------------------------------------------------------------------
+
+
+def rendered(engine, question, passages):
+    """The engine's own prompt for (question, passages), as one string."""
+    layout = engine.layout
+    return (
+        layout.head
+        + "".join(layout.format.passage.format(text=p) for p in passages)
+        + layout.format.question.format(question=question)
+        + layout.tail
+    )
+
+
+def test_found_passages_give_exactly_the_prompt_of_explicit_blocks(make_engine):
+    engine = make_engine("qwen2")
+    engine.index([P1, P2])
+    question = "Who built the lighthouse?"
+    found, found_keys = engine.prompt_from_text(rendered(engine, question, [P2, P1]))
+    explicit, explicit_keys = engine.build_prompt(question, [P2, P1])
+    assert (found.prefix, found.blocks, found.question) == (explicit.prefix, explicit.blocks, explicit.question)
+    assert found_keys == explicit_keys
+    result = engine.generate_text(rendered(engine, question, [P2, P1]), max_new_tokens=5)
+    reference = engine.generate(question, [P2, P1], max_new_tokens=5)
+    assert result.token_ids == reference.token_ids
+    assert result.reused_tokens == reference.reused_tokens > 0
+    assert result.prefilled_tokens == len(explicit.question)
+
+
+def test_text_between_and_around_passages_keeps_its_place(make_engine):
+    engine = make_engine()
+    engine.index([P1, P2])
+    text = f"Read these.\n{P1} --- {P2}\n\nQuestion: who?"
+    prompt, keys = engine.prompt_from_text(text)
+    layout = engine.layout
+    assert prompt.prefix == layout.encode("Read these.\n")
+    assert prompt.blocks == [layout.block_ids(P1), layout.block_ids(" --- "), layout.passage_ids(P2)]
+    assert prompt.question == layout.encode("Question: who?")
+    assert len(keys) == 3
+    full = engine.generate_text(text, mode="full", max_new_tokens=1)
+    assert full.prefilled_tokens == len(prompt) and full.reused_tokens == 0
+
+
+def test_unindexed_text_is_all_question(make_engine):
+    engine = make_engine()
+    text = f"Context: {P1}\n\nQuestion: who?"
+    prompt, keys = engine.prompt_from_text(text)
+    assert (prompt.prefix, prompt.blocks, keys) == ([], [], [])
+    result = engine.generate_text(text, max_new_tokens=2)
+    assert result.reused_tokens == 0 and result.prefilled_tokens == len(prompt)
+
+
+def test_explicit_spans_and_bad_spans(make_engine):
+    engine = make_engine()
+    text = f"A: {P3}\n\nQ?"
+    start = text.index(P3)
+    prompt, _ = engine.prompt_from_text(text, [(start, start + len(P3))])  # not indexed: computed
+    assert prompt.blocks == [engine.layout.passage_ids(P3)]
+    with pytest.raises(ValueError, match="overlaps"):
+        engine.prompt_from_text(text, [(0, 10), (5, 12)])
+    with pytest.raises(ValueError, match="outside"):
+        engine.prompt_from_text(text, [(0, len(text) + 1)])
+    with pytest.raises(EmptyInputError, match="question must follow"):
+        engine.prompt_from_text(f"A: {P3}", [(3, 3 + len(P3))])
+
+
+def test_window_hashes_of_non_bmp_text():
+    text = "🙂" * 10 + "é" * 10
+    assert np.array_equal(window_hashes(text, 5)[:1], window_hashes("🙂" * 5, 5))
