@@ -18,7 +18,7 @@ def test_block_mode_answers_from_the_one_passage_that_holds_the_answer(default_e
     default_engine.index(PASSAGES)
     result = default_engine.generate("Who built the Varnholm lighthouse?", PASSAGES, mode="block", max_new_tokens=30)
     assert "brandt" in result.text.lower()
-    assert result.reused_tokens > 0 and result.cache_hits == {"memory": 4}
+    assert result.reused_tokens > 0 and result.cache_hits == {"memory": 6}  # prefix, 3 passages, 2 separators
     assert result.prefilled_tokens == len(default_engine.layout.question_ids("Who built the Varnholm lighthouse?"))
 
 
@@ -52,7 +52,7 @@ def test_cli_index_and_ask(tmp_path, capsys):
     assert main(["ask", "Who built the Varnholm lighthouse?", "--top-k", "2"]) == 0
     captured = capsys.readouterr()
     assert "brandt" in captured.out.lower()
-    assert "[block] TTFT" in captured.err and "blocks: disk 3" in captured.err  # a new engine reads the files
+    assert "[block] TTFT" in captured.err and "blocks: disk 4" in captured.err  # a new engine reads the files: prefix, 2 passages, separator
 
 
 def test_cli_refuses_a_non_utf8_file_and_indexes_nothing(tmp_path, capsys):

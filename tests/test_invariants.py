@@ -120,10 +120,14 @@ def test_assembled_ids_are_the_parts_tokenized_alone(make_engine, tok, monkeypat
     prompt, _ = engine.build_prompt(question, texts)
     layout = engine.layout
     assert prompt.prefix == layout.encode(layout.head)
-    assert prompt.blocks == [layout.encode(layout.format.passage.format(text=t)) for t in texts]
-    assert prompt.question == layout.encode(layout.format.question.format(question=question) + layout.tail)
-    rendered = layout.head + "".join(layout.format.passage.format(text=t) for t in texts)
-    rendered += layout.format.question.format(question=question) + layout.tail
+    separator = layout.encode(layout.format.separator)
+    passages = [layout.encode(layout.format.passage.format(text=t)) for t in texts]
+    assert prompt.blocks == [passages[0], separator, passages[1], separator, passages[2]]
+    assert prompt.question == layout.encode(
+        layout.format.separator + layout.format.question.format(question=question) + layout.tail
+    )
+    rendered = layout.head + layout.format.separator.join(layout.format.passage.format(text=t) for t in texts)
+    rendered += layout.format.separator + layout.format.question.format(question=question) + layout.tail
     assert tok.decode(prompt.ids()) == rendered
 
     seen = []

@@ -72,7 +72,8 @@ def rendered(engine, question, passages):
     layout = engine.layout
     return (
         layout.head
-        + "".join(layout.format.passage.format(text=p) for p in passages)
+        + layout.format.separator.join(layout.format.passage.format(text=p) for p in passages)
+        + layout.format.separator
         + layout.format.question.format(question=question)
         + layout.tail
     )
@@ -101,7 +102,7 @@ def test_text_between_and_around_passages_keeps_its_place(make_engine):
     layout = engine.layout
     assert prompt.prefix == layout.encode("Read these.\n")
     assert prompt.blocks == [layout.block_ids(P1), layout.block_ids(" --- "), layout.passage_ids(P2)]
-    assert prompt.question == layout.encode("Question: who?")
+    assert prompt.question == layout.encode("\n\nQuestion: who?")
     assert len(keys) == 3
     full = engine.generate_text(text, mode="full", max_new_tokens=1)
     assert full.prefilled_tokens == len(prompt) and full.reused_tokens == 0

@@ -19,6 +19,8 @@ from kvrag.store import DiskTier, KVBlock, KVStore, MemoryTier
 from tiny import tiny_configs, tiny_model, tiny_tokenizer
 
 QUESTION = "Who built the lighthouse?"
+# a request over PASSAGES reads 2 * len(PASSAGES) blocks: the prefix, each passage, and the
+# separator between two passages (the same block each time: a fresh engine reads it once from disk)
 PASSAGES = [
     "The lighthouse of Varnholm was built in 1873 by the engineer Ilsa Brandt.",
     "The river Olm freezes every winter, and the ferry stops until spring.",
@@ -196,8 +198,8 @@ def test_engine_round_trip_fresh_engine(tmp_path, tok, model0):
         r1 = second.generate(QUESTION, PASSAGES, max_new_tokens=6)
         r2 = second.generate(QUESTION, ids, max_new_tokens=6)
     assert not kvrag_warnings(records)
-    assert r1.cache_hits == {"disk": len(PASSAGES) + 1}
-    assert r2.cache_hits == {"memory": len(PASSAGES) + 1}
+    assert r1.cache_hits == {"disk": 2 * len(PASSAGES) - 1, "memory": 1}
+    assert r2.cache_hits == {"memory": 2 * len(PASSAGES)}
     assert r1.token_ids == r2.token_ids == ref.token_ids
     assert r1.text == ref.text
 
@@ -282,7 +284,7 @@ def test_engine_recomputes_damaged_file(tmp_path, tok, model0, how):
     engine = new_engine(model0, tok, home)
     with pytest.warns(RuntimeWarning, match="dropping unusable KV file"):
         (logits, hits) = prefill_logits(engine, PASSAGES)
-    assert hits == {"computed": 1, "disk": 3}  # only the damaged block is recomputed
+    assert hits == {"computed": 1, "disk": 2 * len(PASSAGES) - 2, "memory": 1}  # only the damaged block is recomputed
     assert torch.equal(logits, ref_logits)
     # the recomputed block was written back as a valid file
     assert path.is_file() and file_content(path) == good
@@ -299,7 +301,7 @@ def test_engine_recomputes_damaged_file(tmp_path, tok, model0, how):
     with pytest.warns(RuntimeWarning, match="dropping unusable KV file"):
         result = engine.generate(QUESTION, ids, max_new_tokens=6)
     hits = result.cache_hits
-    assert hits["computed"] == 1 and hits.get("disk", 0) >= 2 and sum(hits.values()) == len(PASSAGES) + 1
+    assert hits["computed"] == 1 and hits.get("disk", 0) >= 2 and sum(hits.values()) == 2 * len(PASSAGES)
     assert result.token_ids == ref.token_ids and result.text == ref.text
     assert file_content(path) == good
 
@@ -387,8 +389,9 @@ def test_concurrent_indexing(tmp_path, tok, model0):
     assert all(f.parent.parent == root for f in files)
     passage_keys = {block_id.removeprefix("kv_") for block_id in ids[0].values()}
     prefix_key = engine.store.key("none", engine.layout.prefix_ids)
+    separator_key = engine.store.key("none", engine.layout.separator_ids)
     stored = {f.name.removesuffix(".safetensors") for f in files}
-    assert passage_keys <= stored <= passage_keys | {prefix_key}  # index() may store the prefix too
+    assert stored == passage_keys | {prefix_key, separator_key}  # index() stores the prefix and separator too
 
     context = engine._context(engine.layout.prefix_ids)
     store = KVStore(engine.fingerprint, root)
@@ -478,7 +481,7 @@ def test_engine_with_tiny_memory_budget(tmp_path, tok, model0):
     first = engine.generate(QUESTION, PASSAGES, max_new_tokens=6)
     second = engine.generate(QUESTION, PASSAGES, max_new_tokens=6)
     assert "memory" not in first.cache_hits and first.cache_hits.get("disk", 0) >= len(PASSAGES)
-    assert second.cache_hits == {"disk": len(PASSAGES) + 1}
+    assert second.cache_hits == {"disk": 2 * len(PASSAGES)}
     assert first.token_ids == second.token_ids == ref.token_ids
     assert engine.store.memory.used == 0
 
@@ -487,12 +490,12 @@ def test_engine_with_tiny_memory_budget(tmp_path, tok, model0):
 
 
 def _spy_encode(monkeypatch, engine) -> list:
-    """Token ids of every passage block the engine encodes (the shared prefix block is not counted)."""
+    """Token ids of every passage block the engine encodes (the shared prefix and separator blocks are not counted)."""
     calls = []
     real = engine._encode
 
     def spy(ids, after=None):
-        if list(ids) != engine.layout.prefix_ids:
+        if list(ids) not in (engine.layout.prefix_ids, engine.layout.separator_ids):
             calls.append(list(ids))
         return real(ids, after)
 

@@ -54,7 +54,6 @@ def _ttft(engine, question, passages, mode) -> float:
 def ttft_table(engine, lengths=(0, 512, 1024, 2048, 4096, 8000), runs: int = 3, question: str = QUESTION, progress=print):
     """Median TTFT (seconds) per mode and context length (tokens before the question); returns row dicts."""
     config = engine.model.config
-    q_tokens = len(engine.layout.question_ids(question))
     system = len(engine.layout.prefix_ids)
     rows = []
     for length in lengths:
@@ -63,6 +62,7 @@ def ttft_table(engine, lengths=(0, 512, 1024, 2048, 4096, 8000), runs: int = 3, 
         if passages:
             engine.index(passages, progress=False)
         prompt, _ = engine.build_prompt(question, passages)
+        q_tokens = len(prompt.question)
         cached = len(prompt) - q_tokens
         times = {"floor": [], "full": [], "block": [], "prefix": []}
         _ttft(engine, question, passages, "block")  # warm-up: buffers and allocator

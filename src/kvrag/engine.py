@@ -175,6 +175,9 @@ class KVEngine:
         keys = [self.store.key(context, ids) for ids in ids_list]
         todo = {k: ids for k, ids in zip(keys, ids_list) if k not in self.store}
         self._fetch(self.store.key("none", prefix), "none", prefix)  # every request starts with it
+        if self.layout.separator_ids:  # and every request with two passages has it
+            separator = self.layout.separator_ids
+            self._fetch(self.store.key(context, separator), context, separator, self._encoded_after(prefix))
         for key, ids in tqdm(todo.items(), desc="kvrag: encoding passages", unit="passage", disable=not progress or not todo):
             self.store.put(key, context, self._encode(ids, self._encoded_after(prefix)))
         self._known.update(zip(keys, ids_list))
@@ -205,9 +208,18 @@ class KVEngine:
         """Token ids of the request and the store keys of its passage blocks."""
         question = check_text(question, "question")
         resolved = self._resolve(blocks)
-        prompt = Prompt(list(self.layout.prefix_ids), [ids for _, ids in resolved], self.layout.question_ids(question))
+        separator = self.layout.separator_ids
+        separator_key = self.store.key(self._context(self.layout.prefix_ids), separator)
+        prompt, keys = Prompt(list(self.layout.prefix_ids)), []
+        for i, (key, ids) in enumerate(resolved):
+            if i and separator:
+                prompt.blocks.append(separator)
+                keys.append(separator_key)
+            prompt.blocks.append(ids)
+            keys.append(key)
+        prompt.question = self.layout.question_ids(question, after_passages=bool(resolved))
         self._check_fits(len(prompt), "the question with its passages")
-        return prompt, [k for k, _ in resolved]
+        return prompt, keys
 
     def prompt_from_text(self, text: str, spans=None) -> tuple[Prompt, list[str]]:
         """Token ids of an already rendered prompt (chat template applied) whose passages become blocks.
@@ -388,7 +400,8 @@ class KVEngine:
     def stream(self, question: str, blocks=(), **kwargs) -> GenerationStream:
         """Stream the answer as text deltas; the returned object's `result` holds text, timings and reuse.
 
-        Options: mode, max_new_tokens, temperature, top_p, top_k, seed, stop.
+        Options: mode, max_new_tokens, temperature, top_p, top_k, seed, stop, and max_time (seconds,
+        after which generation ends with finish_reason "timeout").
         """
         blocks = list(blocks)
         return self._stream(lambda: self.build_prompt(question, blocks), **kwargs)
@@ -414,6 +427,7 @@ class KVEngine:
         top_k: int = 0,
         seed: int | None = None,
         stop: list[str] | str | None = None,
+        max_time: float | None = None,
     ) -> GenerationStream:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -421,10 +435,10 @@ class KVEngine:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         sampler = Sampler(temperature, top_p, top_k, seed)
         stops = [stop] if isinstance(stop, str) else list(stop or [])
-        return GenerationStream(self._run(build, mode, max_new_tokens, sampler, stops))
+        return GenerationStream(self._run(build, mode, max_new_tokens, sampler, stops, max_time))
 
     @torch.inference_mode()
-    def _run(self, build, mode, max_new_tokens, sampler, stops):
+    def _run(self, build, mode, max_new_tokens, sampler, stops, max_time=None):
         """Yield text deltas; return the GenerationResult. `build` makes (prompt, keys): inside the timing."""
         start = time.perf_counter()
         prompt, keys = build()
@@ -446,6 +460,9 @@ class KVEngine:
                     yield delta
                 if tracker.stopped:
                     finish = "stop"
+                    break
+                if max_time is not None and time.perf_counter() - start > max_time:
+                    finish = "timeout"
                     break
                 if step + 1 < budget:
                     logits = self._forward([token], state.cache, position)[-1]

@@ -4,6 +4,10 @@ The chat template is rendered once around a placeholder user message; what prece
 placeholder is the shared prefix (system turn and the opening of the user turn), what follows it
 closes the user turn and opens the assistant's. Each part is tokenized on its own, so the ids of
 a passage never depend on its neighbours and `full` mode prefills exactly the same ids.
+
+A passage block is the passage's own text; the separator between two passages is a small block
+of its own and the one after the last passage opens the question. So a passage's block is the
+same wherever a prompt puts it: first, in the middle, or last before a chat template's end-of-turn.
 """
 
 import functools
@@ -20,7 +24,8 @@ class PromptFormat:
         "You are a helpful assistant. Answer the question using only the passages in the user's message. "
         "Answer briefly, in one sentence."
     )
-    passage: str = "{text}\n\n"
+    passage: str = "{text}"
+    separator: str = "\n\n"  # between passages, and between the last passage and the question
     question: str = "Question: {question}"
 
 
@@ -47,6 +52,7 @@ class PromptLayout:
         self.format = fmt or PromptFormat()
         self.head, self.tail = self._template_parts()
         self.prefix_ids = self.encode(self.head)
+        self.separator_ids = self.encode(self.format.separator)
 
     def _template_parts(self) -> tuple[str, str]:
         system = self.format.system
@@ -81,5 +87,6 @@ class PromptLayout:
         # retrieved passages recur across questions; tokenizing thousands of tokens each time shows in TTFT
         return tuple(self.encode(text))
 
-    def question_ids(self, question: str) -> list[int]:
-        return self.encode(self.format.question.format(question=question) + self.tail)
+    def question_ids(self, question: str, after_passages: bool = True) -> list[int]:
+        lead = self.format.separator if after_passages else ""
+        return self.encode(lead + self.format.question.format(question=question) + self.tail)

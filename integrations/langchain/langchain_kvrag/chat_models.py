@@ -1,0 +1,259 @@
+"""ChatKVRag: a LangChain chat model whose retrieved passages are served from their cached KV.
+
+Passages reach the model in two ways:
+
+* explicit: `text-plain` content blocks in a message (`create_plaintext_block(text=...)`), one per
+  passage; the message's `text` blocks are the question;
+* drop-in: any prompt at all (a `create_stuff_documents_chain`, a hand-written RAG template). The
+  engine finds the passages it has indexed inside the rendered prompt by content and reuses their
+  KV; everything else, including passages it never saw, is prefilled as ordinary text.
+
+Both become one rendered chat-template string plus the passages' character spans in it, so a
+prompt that renders to the same text gives the same blocks and the same answer either way.
+"""
+
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+from kvrag import KVEngine
+from kvrag.engine import GenerationResult
+from langchain_core.callbacks import CallbackManagerForLLMRun
+from langchain_core.language_models import BaseChatModel, LangSmithParams
+from langchain_core.language_models.chat_models import generate_from_stream
+from langchain_core.messages import (
+    AIMessage,
+    AIMessageChunk,
+    BaseMessage,
+    ChatMessage,
+    HumanMessage,
+    SystemMessage,
+)
+from langchain_core.messages.ai import UsageMetadata
+from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
+from pydantic import ConfigDict, Field, model_validator
+
+Mode = Literal["block", "full", "prefix", "composite"]
+_ROLES = {HumanMessage: "user", AIMessage: "assistant", SystemMessage: "system"}
+_MARKER = "\x00kvrag-passage-{}\x00"
+_CALL_OPTIONS = ("mode", "max_tokens", "temperature", "top_p", "top_k", "seed")
+
+
+class ChatKVRag(BaseChatModel):
+    """Chat model over a local transformers model that reuses passages' KV caches (kvrag).
+
+    Example:
+        ```python
+        from langchain_core.messages import HumanMessage
+        from langchain_core.messages.content import create_plaintext_block
+        from langchain_kvrag import ChatKVRag
+
+        llm = ChatKVRag()  # the default SmolLM2-135M-Instruct, offline
+        passages = ["The Varnholm lighthouse was built in 1873 by Ilsa Brandt."]
+        llm.engine.index(passages)  # or add them through KVRagVectorStore
+        message = HumanMessage(
+            content=[create_plaintext_block(text=p) for p in passages]
+            + [{"type": "text", "text": "Who built the Varnholm lighthouse?"}]
+        )
+        answer = llm.invoke([message])
+        answer.response_metadata["ttft"], answer.usage_metadata["input_token_details"]
+        ```
+    """
+
+    model_config = ConfigDict(arbitrary_types_allowed=True, extra="forbid")
+
+    engine: KVEngine | None = Field(default=None, exclude=True)
+    """The engine holding the model and the KV store; `KVEngine.shared(model)` when not given."""
+    model: str | None = None
+    """Local model directory, GGUF file or cached hub id; None is the embedded default model."""
+    mode: Mode = "block"
+    """How passages are used: `block` reuses their cached KV, `full` prefills everything (the
+    "stuff" baseline), `prefix` reuses only exact leading runs, `composite` keeps encode positions."""
+    max_tokens: int = Field(default=256, ge=1)
+    temperature: float = Field(default=0.0, ge=0.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=0)
+    seed: int | None = None
+    stop: list[str] | None = None
+    streaming: bool = False
+    """`invoke` streams internally (callbacks see each token)."""
+    timeout: float | None = Field(default=None, gt=0)
+    """Seconds a generation may take; it ends early with finish_reason "timeout"."""
+    max_retries: int = 0
+    """Accepted for LangChain's standard parameters; a local model has nothing to retry."""
+
+    @model_validator(mode="after")
+    def _load_engine(self) -> "ChatKVRag":
+        if self.engine is None:
+            self.engine = KVEngine.shared(self.model)
+        return self
+
+    @property
+    def _llm_type(self) -> str:
+        return "kvrag"
+
+    @property
+    def model_name(self) -> str:
+        return Path(self.engine.model.name_or_path).name or "kvrag"
+
+    @property
+    def _identifying_params(self) -> dict[str, Any]:
+        return {"model_name": self.model_name, "mode": self.mode, "fingerprint": self.engine.fingerprint}
+
+    def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
+        params = super()._get_ls_params(stop=stop, **kwargs)
+        params["ls_provider"] = "kvrag"
+        params["ls_model_name"] = kwargs.get("model") or self.model_name
+        return params
+
+    # ---- tokens -------------------------------------------------------------------------------------
+
+    def get_token_ids(self, text: str) -> list[int]:
+        return self.engine.layout.encode(text)
+
+    def get_num_tokens_from_messages(self, messages: list[BaseMessage], tools: Sequence | None = None) -> int:
+        if tools:
+            raise NotImplementedError("ChatKVRag does not support tools")
+        text, _ = self.render(messages)
+        return len(self.engine.layout.encode(text))
+
+    # ---- messages -> one rendered prompt --------------------------------------------------------------
+
+    def render(self, messages: list[BaseMessage]) -> tuple[str, list[tuple[int, int]] | None]:
+        """The chat-template text of `messages` and the character spans of their explicit passages
+        (None when there are none: the engine then finds indexed passages in the text itself)."""
+        if not messages:
+            raise ValueError("ChatKVRag needs at least one message")
+        turns, passages = [], []
+        for message in messages:
+            parts = []
+            for kind, text in _content_parts(message):
+                if kind == "text-plain":
+                    parts.append(_MARKER.format(len(passages)))
+                    passages.append(text)
+                elif text:
+                    parts.append(text)
+            # parts joined as the engine joins passages, so its separator blocks are reused too
+            turns.append({"role": _role(message), "content": self.engine.layout.format.separator.join(parts)})
+        last = messages[-1]
+        if isinstance(last, HumanMessage) and not any(k == "text" and t.strip() for k, t in _content_parts(last)):
+            raise ValueError("the last message holds no question: add a text part after the passages")
+        rendered = self.engine.tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
+        if not passages:
+            return rendered, None
+        text, spans, position = [], [], 0
+        for i, passage in enumerate(passages):
+            at = rendered.find(_MARKER.format(i), position)
+            if at < 0:
+                raise ValueError("the chat template dropped a passage from the prompt")
+            text.append(rendered[position:at])
+            start = sum(map(len, text))
+            spans.append((start, start + len(passage)))
+            text.append(passage)
+            position = at + len(_MARKER.format(i))
+        text.append(rendered[position:])
+        return "".join(text), spans
+
+    # ---- generation ---------------------------------------------------------------------------------
+
+    def _options(self, stop: list[str] | None, kwargs: dict[str, Any]) -> dict[str, Any]:
+        unknown = [k for k in kwargs if k not in _CALL_OPTIONS and not k.startswith("ls_")]
+        if unknown:
+            raise TypeError(f"ChatKVRag got unexpected call options {unknown}; it takes {list(_CALL_OPTIONS)}")
+        options = {k: kwargs.get(k, getattr(self, k)) for k in _CALL_OPTIONS}
+        options["max_new_tokens"] = options.pop("max_tokens")
+        options["stop"] = list(dict.fromkeys([*(self.stop or []), *(stop or [])]))
+        options["max_time"] = self.timeout
+        return options
+
+    def _stream(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> Iterator[ChatGenerationChunk]:
+        options = self._options(stop, kwargs)
+        text, spans = self.render(messages)
+        stream = self.engine.stream_text(text, spans, **options)
+        for delta in stream:
+            chunk = ChatGenerationChunk(message=AIMessageChunk(content=delta))
+            if run_manager:
+                run_manager.on_llm_new_token(delta, chunk=chunk)
+            yield chunk
+        result = stream.result
+        yield ChatGenerationChunk(
+            message=AIMessageChunk(
+                content="",
+                usage_metadata=_usage(result),
+                response_metadata=self._metadata(result, options["mode"]),
+                chunk_position="last",
+            ),
+            generation_info={"finish_reason": result.finish_reason},
+        )
+
+    def _generate(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> ChatResult:
+        if self.streaming:
+            return generate_from_stream(self._stream(messages, stop, run_manager, **kwargs))
+        options = self._options(stop, kwargs)
+        text, spans = self.render(messages)
+        result = self.engine.generate_text(text, spans, **options)
+        metadata = self._metadata(result, options["mode"])
+        message = AIMessage(content=result.text, usage_metadata=_usage(result), response_metadata=metadata)
+        return ChatResult(generations=[ChatGeneration(message=message, generation_info={"finish_reason": result.finish_reason})])
+
+    def _metadata(self, result: GenerationResult, mode: str) -> dict[str, Any]:
+        return {
+            "model_name": self.model_name,
+            "model_provider": "kvrag",
+            "mode": mode,
+            "ttft": result.ttft,
+            "total_time": result.total_time,
+            "prefilled_tokens": result.prefilled_tokens,
+            "reused_tokens": result.reused_tokens,
+            "cache_hits": dict(result.cache_hits),
+            "finish_reason": result.finish_reason,
+        }
+
+
+def _usage(result: GenerationResult) -> UsageMetadata:
+    output = len(result.token_ids)
+    return UsageMetadata(
+        input_tokens=result.prompt_tokens,
+        output_tokens=output,
+        total_tokens=result.prompt_tokens + output,
+        input_token_details={"cache_read": result.reused_tokens},
+    )
+
+
+def _role(message: BaseMessage) -> str:
+    if isinstance(message, ChatMessage):
+        return message.role
+    for cls, role in _ROLES.items():
+        if isinstance(message, cls):
+            return role
+    raise ValueError(f"ChatKVRag takes system, human, AI and chat messages; got a {message.type} message (no tool support)")
+
+
+def _content_parts(message: BaseMessage) -> list[tuple[str, str]]:
+    """(kind, text) for each part of a message: kind "text" or "text-plain" (a passage)."""
+    if isinstance(message.content, str):
+        return [("text", message.content)]
+    parts = []
+    for block in message.content:
+        if isinstance(block, str):
+            parts.append(("text", block))
+            continue
+        kind = block.get("type")
+        if kind not in ("text", "text-plain"):
+            raise ValueError(f"ChatKVRag takes 'text' and 'text-plain' content blocks; got a {kind!r} block")
+        if not isinstance(block.get("text"), str):
+            raise ValueError(f"a {kind!r} block needs its text inline (url, base64 and file ids are not read)")
+        parts.append((kind, block["text"]))
+    return parts

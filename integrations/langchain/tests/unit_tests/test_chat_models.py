@@ -1,0 +1,112 @@
+"""ChatKVRag: LangChain's standard unit suite, and how messages become one prompt with passage spans."""
+
+import pytest
+from kvrag import ContextOverflowError
+from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, ToolMessage
+from langchain_core.messages.content import create_plaintext_block
+from langchain_tests.unit_tests import ChatModelUnitTests
+
+from langchain_kvrag.chat_models import ChatKVRag
+
+P1 = "The Varnholm lighthouse was built in 1873 by the engineer Ilsa Brandt on the northern cliff."
+P2 = "Orrin Vale painted The Tin Harvest, a mural on the old grain store of Selby Cross, in 1921."
+
+
+class TestChatKVRagUnit(ChatModelUnitTests):
+    @property
+    def chat_model_class(self) -> type[ChatKVRag]:
+        return ChatKVRag
+
+    @property
+    def chat_model_params(self) -> dict:
+        return {}  # the embedded default model, loaded once per session
+
+    @property
+    def standard_chat_model_params(self) -> dict:
+        params = super().standard_chat_model_params
+        del params["api_key"]  # a local model has no API key, and refuses unknown arguments
+        return params
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return ChatKVRag(max_tokens=8)
+
+
+def question(text="Who built the lighthouse?"):
+    return {"type": "text", "text": text}
+
+
+def test_explicit_passages_are_spans_of_the_rendered_prompt(llm):
+    message = HumanMessage(content=[create_plaintext_block(text=P1), create_plaintext_block(text=P2), question()])
+    text, spans = llm.render([SystemMessage("Be brief."), message])
+    assert [text[a:b] for a, b in spans] == [P1, P2]
+    assert f"{P1}\n\n{P2}\n\nWho built the lighthouse?" in text
+    assert text == llm.engine.tokenizer.apply_chat_template(
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": f"{P1}\n\n{P2}\n\nWho built the lighthouse?"}],
+        tokenize=False,
+        add_generation_prompt=True,
+    )
+
+
+def test_plain_prompts_leave_passage_finding_to_the_engine(llm):
+    text, spans = llm.render([HumanMessage(f"{P1}\n\nWho built it?")])
+    assert spans is None and P1 in text
+
+
+def test_explicit_passages_are_blocks_even_when_not_indexed(llm):
+    passage = "Kestrune is the harbour town where the ferry from the mainland docks twice a day."
+    message = HumanMessage(content=[create_plaintext_block(text=passage), question("Where does the ferry dock?")])
+    result = llm.invoke([message])
+    assert result.response_metadata["cache_hits"].get("computed", 0) >= 1
+    again = llm.invoke([message])
+    assert again.response_metadata["cache_hits"].get("computed", 0) == 0
+    assert again.usage_metadata["input_token_details"]["cache_read"] > 0
+    assert again.content == result.content
+
+
+@pytest.mark.parametrize(
+    "messages, error, match",
+    [
+        ([], ValueError, "at least one message"),
+        ([HumanMessage(content=[create_plaintext_block(text=P1)])], ValueError, "no question"),
+        ([HumanMessage(content=[create_plaintext_block(text=P1), question("  ")])], ValueError, "no question"),
+        ([HumanMessage(content=[{"type": "image", "url": "http://x/y.png"}, question()])], ValueError, "'image' block"),
+        ([HumanMessage(content=[create_plaintext_block(url="http://x/y.txt"), question()])], ValueError, "inline"),
+        ([HumanMessage("hi"), AIMessage("", tool_calls=[{"name": "f", "args": {}, "id": "1"}]), ToolMessage("3", tool_call_id="1")], ValueError, "tool"),
+    ],
+)
+def test_bad_messages_are_refused_before_generation(llm, messages, error, match):
+    with pytest.raises(error, match=match):
+        llm.invoke(messages)
+
+
+def test_passage_larger_than_the_context_is_refused(llm):
+    huge = "Orvanne has many lighthouses. " * 2000
+    with pytest.raises(ContextOverflowError, match="context window"):
+        llm.invoke([HumanMessage(content=[create_plaintext_block(text=huge), question()])])
+
+
+def test_unknown_call_options_are_refused(llm):
+    with pytest.raises(TypeError, match="unexpected call options"):
+        llm.invoke("hi", max_new_tokens=3)
+
+
+def test_call_options_override_fields(llm):
+    result = llm.invoke("Count from one to twenty.", max_tokens=2, mode="full")
+    assert result.usage_metadata["output_tokens"] <= 2
+    assert result.response_metadata["mode"] == "full"
+    assert result.response_metadata["finish_reason"] == "length"
+
+
+def test_tokens_are_counted_with_the_engines_tokenizer(llm):
+    assert llm.get_token_ids("Varnholm") == llm.engine.tokenizer("Varnholm", add_special_tokens=False)["input_ids"]
+    messages = [HumanMessage("Who built the lighthouse?")]
+    assert llm.get_num_tokens_from_messages(messages) == llm.invoke(messages).usage_metadata["input_tokens"]
+
+
+def test_timeout_ends_generation_early():
+    slow = ChatKVRag(max_tokens=200, timeout=1e-9)
+    result = slow.invoke("Tell me a long story.")
+    assert result.response_metadata["finish_reason"] == "timeout"
+    assert result.usage_metadata["output_tokens"] == 1
