@@ -1,0 +1,285 @@
+"""A vector store that prefills every passage it stores, so questions over it only prefill the question.
+
+kvrag's speed-up needs each passage's KV cache to exist before the question arrives. Indexing
+is the natural moment: `KVRagVectorStore` runs `KVEngine.index` on every text it is given,
+then hands the text to an ordinary LangChain vector store (an embedded, persistent Chroma by
+default) that does the storing and searching. Retrieved documents carry the exact text that
+was indexed, which is how the chat model finds their cached blocks in a prompt.
+"""
+
+from collections.abc import Callable, Iterable, Sequence
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+from chromadb.config import Settings
+from kvrag import KVEngine
+from kvrag.model import kvrag_home
+from langchain_chroma import Chroma
+from langchain_core.documents import Document
+from langchain_core.embeddings import Embeddings
+from langchain_core.runnables.config import run_in_executor
+from langchain_core.vectorstores import VectorStore
+from typing_extensions import Self
+
+from .embeddings import KVRagEmbeddings
+
+DEFAULT_COLLECTION = "kvrag-langchain"
+
+
+class _Chroma(Chroma):
+    """langchain-chroma 1.1's `get_by_ids` fails on documents stored without metadata (Chroma
+    returns None for them; its searches already read that as {}): it does the same here."""
+
+    def get_by_ids(self, ids: Sequence[str], /) -> list[Document]:
+        found = self.get(ids=list(ids))
+        return [
+            Document(page_content=text, metadata=metadata or {}, id=id_)
+            for text, metadata, id_ in zip(found["documents"], found["metadatas"], found["ids"])
+            if text is not None
+        ]
+
+
+def default_chroma(
+    embedding: Embeddings | None = None,
+    collection_name: str | None = None,
+    persist_directory: str | Path | None = None,
+) -> Chroma:
+    """An embedded Chroma collection on disk (`$KVRAG_HOME/chroma` unless told otherwise).
+
+    Cosine space, because kvrag's embeddings are unit vectors; telemetry off, with the same
+    client settings as the kvrag CLI, so both can open the same directory in one process.
+    """
+    directory = Path(persist_directory) if persist_directory is not None else kvrag_home() / "chroma"
+    return _Chroma(
+        collection_name=collection_name or DEFAULT_COLLECTION,
+        embedding_function=embedding if embedding is not None else KVRagEmbeddings(),
+        persist_directory=str(directory),
+        client_settings=Settings(anonymized_telemetry=False),
+        collection_configuration={"hnsw": {"space": "cosine"}},
+    )
+
+
+class KVRagVectorStore(VectorStore):
+    """Computes and stores each passage's KV on every add, then delegates to an inner vector store.
+
+    Every add path (`add_texts`, `add_documents`, `from_texts`, `from_documents` and their
+    async forms) first calls `engine.index(texts)`, which checks the whole batch (empty,
+    non-UTF-8 or longer than the model's context window raise `kvrag.EmptyInputError`,
+    `InputEncodingError`, `ContextOverflowError`) before it encodes anything, and skips
+    passages whose KV is already stored. Only then do the texts reach the inner store, so a
+    bad text means nothing of its batch is added. Searching, `get_by_ids` and `delete` are the
+    inner store's; `as_retriever` searches through this store, so documents added through the
+    retriever get their KV too. Deleting a document leaves its KV behind: blocks are
+    content-addressed and may serve other documents with the same text; the KV store's own
+    budget evicts them.
+
+    Works as the destination of `langchain_core.indexing.index`: unchanged documents are
+    skipped by the record manager (and would not be re-encoded anyway), and documents the
+    cleanup removes are deleted from the inner store.
+
+    Example:
+        ```python
+        from langchain_kvrag import KVRagVectorStore
+
+        store = KVRagVectorStore(collection_name="handbook")  # Chroma under $KVRAG_HOME/chroma
+        store.add_texts(["The observatory was founded in 1891 by Ada Pell."])
+        docs = store.as_retriever(search_kwargs={"k": 4}).invoke("Who founded the observatory?")
+        ```
+
+    Args:
+        vectorstore: The store that keeps and searches the documents. Default: a persistent
+            Chroma collection (see `collection_name`, `persist_directory`, `embedding`).
+        engine: The `kvrag.KVEngine` whose KV store is filled; it must be the engine that
+            answers the questions. Default: `KVEngine.shared()` (the default model, loaded
+            once per process on the first add, not when the store is built).
+        embedding: Embeddings for the default Chroma. Default: `KVRagEmbeddings`.
+        collection_name: Collection of the default Chroma. Default: "kvrag-langchain".
+        persist_directory: Directory of the default Chroma. Default: `$KVRAG_HOME/chroma`.
+        show_progress: Show a progress bar while passages are encoded.
+    """
+
+    def __init__(
+        self,
+        vectorstore: VectorStore | None = None,
+        *,
+        engine: KVEngine | None = None,
+        embedding: Embeddings | None = None,
+        collection_name: str | None = None,
+        persist_directory: str | Path | None = None,
+        show_progress: bool = False,
+    ) -> None:
+        default_options = (embedding, collection_name, persist_directory)
+        if vectorstore is not None and any(option is not None for option in default_options):
+            raise ValueError(
+                "embedding, collection_name and persist_directory configure the default Chroma store; "
+                "pass them to your own vectorstore instead"
+            )
+        if vectorstore is None:
+            vectorstore = default_chroma(embedding, collection_name, persist_directory)
+        self.vectorstore = vectorstore
+        self._engine = engine
+        self.show_progress = show_progress
+
+    @property
+    def engine(self) -> KVEngine:
+        """The engine that precomputes KV; the shared default model unless one was given."""
+        if self._engine is None:
+            self._engine = KVEngine.shared()
+        return self._engine
+
+    @property
+    def embeddings(self) -> Embeddings | None:
+        return self.vectorstore.embeddings
+
+    # ---- adding: index first, then store ----------------------------------------------------------
+
+    def _index(self, texts: list[str]) -> None:
+        self.engine.index(texts, progress=self.show_progress)
+
+    def add_texts(
+        self,
+        texts: Iterable[str],
+        metadatas: list[dict] | None = None,
+        *,
+        ids: list[str] | None = None,
+        **kwargs: Any,
+    ) -> list[str]:
+        """Encode and store the texts' KV (all checked first), then add them to the inner store."""
+        texts = list(texts)
+        if not texts:
+            return []
+        self._index(texts)
+        return self.vectorstore.add_texts(texts, metadatas, ids=ids, **kwargs)
+
+    def add_documents(self, documents: list[Document], **kwargs: Any) -> list[str]:
+        """Encode and store the documents' KV (all checked first), then add them to the inner store."""
+        if not documents:
+            return []
+        self._index([doc.page_content for doc in documents])
+        return self.vectorstore.add_documents(documents, **kwargs)
+
+    async def aadd_texts(
+        self,
+        texts: Iterable[str],
+        metadatas: list[dict] | None = None,
+        *,
+        ids: list[str] | None = None,
+        **kwargs: Any,
+    ) -> list[str]:
+        """`add_texts` without blocking the event loop: encoding runs in an executor thread."""
+        texts = list(texts)
+        if not texts:
+            return []
+        await run_in_executor(None, self._index, texts)
+        return await self.vectorstore.aadd_texts(texts, metadatas, ids=ids, **kwargs)
+
+    async def aadd_documents(self, documents: list[Document], **kwargs: Any) -> list[str]:
+        """`add_documents` without blocking the event loop: encoding runs in an executor thread."""
+        if not documents:
+            return []
+        await run_in_executor(None, self._index, [doc.page_content for doc in documents])
+        return await self.vectorstore.aadd_documents(documents, **kwargs)
+
+    @classmethod
+    def from_texts(
+        cls,
+        texts: list[str],
+        embedding: Embeddings,
+        metadatas: list[dict] | None = None,
+        *,
+        ids: list[str] | None = None,
+        **kwargs: Any,
+    ) -> Self:
+        """A store over the default Chroma with `embedding`, holding `texts` (their KV computed).
+
+        `kwargs` are the constructor's (`engine`, `collection_name`, `persist_directory`, ...).
+        `from_documents` comes through here.
+        """
+        store = cls(embedding=embedding, **kwargs)
+        store.add_texts(texts, metadatas, ids=ids)
+        return store
+
+    @classmethod
+    async def afrom_texts(
+        cls,
+        texts: list[str],
+        embedding: Embeddings,
+        metadatas: list[dict] | None = None,
+        *,
+        ids: list[str] | None = None,
+        **kwargs: Any,
+    ) -> Self:
+        """`from_texts` without blocking the event loop. `afrom_documents` comes through here."""
+        store = await run_in_executor(None, partial(cls, embedding=embedding, **kwargs))
+        await store.aadd_texts(texts, metadatas, ids=ids)
+        return store
+
+    # ---- everything else is the inner store's -----------------------------------------------------
+
+    def delete(self, ids: list[str] | None = None, **kwargs: Any) -> bool | None:
+        """Delete from the inner store (the KV stays cached; see the class docstring)."""
+        return self.vectorstore.delete(ids, **kwargs)
+
+    async def adelete(self, ids: list[str] | None = None, **kwargs: Any) -> bool | None:
+        return await self.vectorstore.adelete(ids, **kwargs)
+
+    def get_by_ids(self, ids: Sequence[str], /) -> list[Document]:
+        return self.vectorstore.get_by_ids(ids)
+
+    async def aget_by_ids(self, ids: Sequence[str], /) -> list[Document]:
+        return await self.vectorstore.aget_by_ids(ids)
+
+    def similarity_search(self, query: str, k: int = 4, **kwargs: Any) -> list[Document]:
+        return self.vectorstore.similarity_search(query, k, **kwargs)
+
+    async def asimilarity_search(self, query: str, k: int = 4, **kwargs: Any) -> list[Document]:
+        return await self.vectorstore.asimilarity_search(query, k, **kwargs)
+
+    def similarity_search_with_score(self, *args: Any, **kwargs: Any) -> list[tuple[Document, float]]:
+        return self.vectorstore.similarity_search_with_score(*args, **kwargs)
+
+    async def asimilarity_search_with_score(self, *args: Any, **kwargs: Any) -> list[tuple[Document, float]]:
+        return await self.vectorstore.asimilarity_search_with_score(*args, **kwargs)
+
+    def similarity_search_with_relevance_scores(
+        self, query: str, k: int = 4, **kwargs: Any
+    ) -> list[tuple[Document, float]]:
+        return self.vectorstore.similarity_search_with_relevance_scores(query, k, **kwargs)
+
+    async def asimilarity_search_with_relevance_scores(
+        self, query: str, k: int = 4, **kwargs: Any
+    ) -> list[tuple[Document, float]]:
+        return await self.vectorstore.asimilarity_search_with_relevance_scores(query, k, **kwargs)
+
+    def _select_relevance_score_fn(self) -> Callable[[float], float]:
+        return self.vectorstore._select_relevance_score_fn()
+
+    def similarity_search_by_vector(self, embedding: list[float], k: int = 4, **kwargs: Any) -> list[Document]:
+        return self.vectorstore.similarity_search_by_vector(embedding, k, **kwargs)
+
+    async def asimilarity_search_by_vector(self, embedding: list[float], k: int = 4, **kwargs: Any) -> list[Document]:
+        return await self.vectorstore.asimilarity_search_by_vector(embedding, k, **kwargs)
+
+    def max_marginal_relevance_search(
+        self, query: str, k: int = 4, fetch_k: int = 20, lambda_mult: float = 0.5, **kwargs: Any
+    ) -> list[Document]:
+        return self.vectorstore.max_marginal_relevance_search(query, k, fetch_k, lambda_mult, **kwargs)
+
+    async def amax_marginal_relevance_search(
+        self, query: str, k: int = 4, fetch_k: int = 20, lambda_mult: float = 0.5, **kwargs: Any
+    ) -> list[Document]:
+        return await self.vectorstore.amax_marginal_relevance_search(query, k, fetch_k, lambda_mult, **kwargs)
+
+    def max_marginal_relevance_search_by_vector(
+        self, embedding: list[float], k: int = 4, fetch_k: int = 20, lambda_mult: float = 0.5, **kwargs: Any
+    ) -> list[Document]:
+        return self.vectorstore.max_marginal_relevance_search_by_vector(embedding, k, fetch_k, lambda_mult, **kwargs)
+
+    async def amax_marginal_relevance_search_by_vector(
+        self, embedding: list[float], k: int = 4, fetch_k: int = 20, lambda_mult: float = 0.5, **kwargs: Any
+    ) -> list[Document]:
+        return await self.vectorstore.amax_marginal_relevance_search_by_vector(
+            embedding, k, fetch_k, lambda_mult, **kwargs
+        )
+
