@@ -13,10 +13,11 @@ from langchain_tests.integration_tests import ChatModelIntegrationTests
 
 from langchain_kvrag.chat_models import ChatKVRag
 
-PASSAGES = [
-    "The Varnholm lighthouse was built in 1873 by the engineer Ilsa Brandt. It stands on the northern cliff.",
-    "Orrin Vale is a painter from the town of Selby Cross. His best known work is a mural called The Tin Harvest.",
-    "The river Olm freezes every winter. Fishermen of Kettering Bay cross it on foot in January.",
+PASSAGES = [  # not the core tests' passages: one session shares the passage list, and a longer known
+    # passage (the core's CLI test indexes two of its passages as one) would rightly win the match
+    "The Varnholm lighthouse was built in 1873 by the engineer Ilsa Brandt. It stands on the cliff above Varn.",
+    "Orrin Vale is a painter from the town of Selby Cross. His best known mural is called The Tin Harvest.",
+    "The river Olm freezes every winter. The fishermen of Kettering Bay cross it on foot in January.",
 ]
 QUESTION = "Who built the Varnholm lighthouse?"
 SYSTEM = "Answer the question using only the passages in the user's message. Answer briefly, in one sentence."
