@@ -225,8 +225,9 @@ class KVEngine:
         """Token ids of an already rendered prompt (chat template applied) whose passages become blocks.
 
         `spans` are the passages' (start, end) character ranges; None finds the indexed passages in
-        `text` by content. A span widens to the passage format around it (by default the "\n\n" that
-        follows) where the text has it, so that it tokenizes exactly as the block `index` stored.
+        `text` by content. With a passage format that adds text around the passage (say
+        "[doc] {text}"), a span widens to it where the text has it, so that the block is exactly the
+        one `index` stored.
         Text before the first passage is the prefix, text between passages forms small blocks of its
         own, text after the last passage is the question.
         """
