@@ -104,6 +104,8 @@ def test_bad_input_is_refused_and_nothing_is_written(make_engine):
         engine.index([])
     with pytest.raises(EmptyInputError, match="passage 1"):
         engine.index(["fine", " \n\t "])
+    with pytest.raises(EmptyInputError, match="node b7 is empty"):
+        engine.index(["fine", ""], names=["node a1", "node b7"])
     with pytest.raises(InputEncodingError):
         engine.index(["fine", b"\xff\xfe broken"])
     with pytest.raises(InputEncodingError):

@@ -1,12 +1,14 @@
 """Finding indexed passages inside rendered prompts (drop-in reuse) and cutting prompts at them."""
 
+import copy
 import multiprocessing
 
 import numpy as np
 import pytest
 
-from kvrag import EmptyInputError
+from kvrag import EmptyInputError, Passage
 from kvrag.match import PassageMatcher, window_hashes
+from kvrag.prompt import PromptLayout
 
 P1 = "The Varnholm lighthouse was built in 1873 by the engineer Ilsa Brandt on the northern cliff."
 P2 = "Orrin Vale painted The Tin Harvest, a mural on the old grain store of Selby Cross, in 1921."
@@ -129,6 +131,37 @@ def test_explicit_spans_and_bad_spans(make_engine):
         engine.prompt_from_text(text, [(0, len(text) + 1)])
     with pytest.raises(EmptyInputError, match="question must follow"):
         engine.prompt_from_text(f"A: {P3}", [(3, 3 + len(P3))])
+    with pytest.raises(EmptyInputError, match="whitespace only"):
+        engine.prompt_from_text("A:    \n\nQ?", [(2, 6)])
+
+
+# ---- chat turns rendered with passage spans -------------------------------------------------------
+
+
+def test_chat_turns_render_like_the_engines_prompt_with_their_passages_marked(make_engine):
+    engine = make_engine()
+    layout = engine.layout
+    question = layout.format.question.format(question="Who built the lighthouse?")
+    turns = [("system", [layout.format.system]), ("user", [Passage(P1), Passage(P2), question])]
+    text, spans = layout.render_chat(turns)
+    assert text == rendered(engine, "Who built the lighthouse?", [P1, P2])
+    assert [text[a:b] for a, b in spans] == [P1, P2]
+    as_string = layout.render_chat([("system", [layout.format.system]), ("user", [f"{P1}\n\n{P2}\n\n{question}"])])
+    assert as_string == (text, None)  # the engine finds indexed passages itself
+    assert engine.prompt_from_text(text, spans) == engine.build_prompt("Who built the lighthouse?", [P1, P2])
+
+
+def test_chat_turns_without_a_question_or_a_template(make_engine, tok):
+    layout = make_engine().layout
+    with pytest.raises(ValueError, match="no question"):
+        layout.render_chat([("user", [Passage(P1), "  "])])
+    with pytest.raises(ValueError, match="no messages"):
+        layout.render_chat([])
+    bare = copy.copy(tok)
+    bare.chat_template = None
+    plain = PromptLayout(bare)
+    text, spans = plain.render_chat([("system", [plain.format.system]), ("user", [Passage(P1), "Question: who?"])])
+    assert text == f"{plain.format.system}\n\n{P1}\n\nQuestion: who?\nAnswer:" and text[slice(*spans[0])] == P1
 
 
 def test_window_hashes_of_non_bmp_text():

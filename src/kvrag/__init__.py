@@ -1,6 +1,6 @@
 """kvrag: retrieval-augmented generation that prefills each passage once and reuses its KV cache."""
 
-from .engine import MODES, GenerationStream, KVEngine
+from .engine import MODES, GenerationStream, KVEngine, Mode
 from .errors import (
     ContextOverflowError,
     EmptyInputError,
@@ -10,7 +10,7 @@ from .errors import (
     UnsupportedModelError,
 )
 from .generate import GenerationResult
-from .prompt import Prompt, PromptFormat
+from .prompt import Passage, Prompt, PromptFormat
 
 __all__ = [
     "MODES",
@@ -21,6 +21,8 @@ __all__ = [
     "InputEncodingError",
     "KVEngine",
     "KVRagError",
+    "Mode",
+    "Passage",
     "Prompt",
     "PromptFormat",
     "UnknownBlockError",

@@ -16,6 +16,7 @@ import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal, get_args
 
 import torch
 from tqdm.auto import tqdm
@@ -29,7 +30,8 @@ from .match import PassageMatcher
 from .prompt import Prompt, PromptFormat, PromptLayout
 from .store import KVBlock, KVStore
 
-MODES = ("full", "block", "composite", "prefix")
+Mode = Literal["full", "block", "composite", "prefix"]
+MODES: tuple[str, ...] = get_args(Mode)
 BLOCK_CONTEXTS = ("none", "prefix")
 _BLOCK_ID = re.compile(r"^kv_([0-9a-f]{32})$")
 _SHARED: dict = {}
@@ -161,15 +163,20 @@ class KVEngine:
                 f"but the model's context window is {self.context_window} tokens"
             )
 
-    def index(self, texts: Iterable[str], *, progress: bool = True) -> list[str]:
-        """Compute and store the KV of every passage that is not stored yet; return their block ids."""
+    def index(self, texts: Iterable[str], *, progress: bool = True, names: Iterable[str] | None = None) -> list[str]:
+        """Compute and store the KV of every passage that is not stored yet; return their block ids.
+
+        Every passage is checked before anything is computed, so a bad one stores nothing. `names`
+        label the passages in error messages (default "passage 0", "passage 1", ...).
+        """
         texts = list(texts) if not isinstance(texts, str) else [texts]
         if not texts:
             raise EmptyInputError("no passages to index")
-        texts = [check_text(t, f"passage {i}") for i, t in enumerate(texts)]
+        names = list(names) if names is not None else [f"passage {i}" for i in range(len(texts))]
+        texts = [check_text(t, name) for t, name in zip(texts, names, strict=True)]
         ids_list = [self.layout.passage_ids(t) for t in texts]
-        for i, ids in enumerate(ids_list):
-            self._check_fits(len(self.layout.prefix_ids) + len(ids), f"passage {i}")
+        for name, ids in zip(names, ids_list):
+            self._check_fits(len(self.layout.prefix_ids) + len(ids), name)
         prefix = self.layout.prefix_ids
         context = self._context(prefix)
         keys = [self.store.key(context, ids) for ids in ids_list]
@@ -238,6 +245,8 @@ class KVEngine:
         for start, stop in spans:
             if not end <= start < stop <= len(text):
                 raise ValueError(f"passage span {(start, stop)} is empty, overlaps another or lies outside the prompt")
+            if not text[start:stop].strip():
+                raise EmptyInputError(f"the passage at {(start, stop)} is whitespace only")
             if text.startswith(after, stop) and text[start - len(before) : start] == before and start - len(before) >= end:
                 start, stop = start - len(before), stop + len(after)
             cuts.append((start, stop))

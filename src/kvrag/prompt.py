@@ -11,9 +11,11 @@ same wherever a prompt puts it: first, in the middle, or last before a chat temp
 """
 
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 _PLACEHOLDER = "\x00kvrag-user-message\x00"
+_PASSAGE_MARKER = "\x00kvrag-passage-{}\x00"
 
 
 @dataclass(frozen=True)
@@ -27,6 +29,13 @@ class PromptFormat:
     passage: str = "{text}"
     separator: str = "\n\n"  # between passages, and between the last passage and the question
     question: str = "Question: {question}"
+
+
+@dataclass(frozen=True)
+class Passage:
+    """A passage inside a chat message (see `PromptLayout.render_chat`): it becomes a block of its own."""
+
+    text: str
 
 
 @dataclass
@@ -90,3 +99,47 @@ class PromptLayout:
     def question_ids(self, question: str, after_passages: bool = True) -> list[int]:
         lead = self.format.separator if after_passages else ""
         return self.encode(lead + self.format.question.format(question=question) + self.tail)
+
+    def render_chat(self, turns: Sequence[tuple[str, Sequence[str | Passage]]]) -> tuple[str, list[tuple[int, int]] | None]:
+        """The chat-template text of `turns`, (role, parts) pairs, and the character spans of their
+        `Passage` parts in it (None when there are none: the engine then finds indexed passages in
+        the text by content). Integrations turn their message types into turns with this.
+
+        A turn's parts are joined with the format's separator, as the engine joins passages, so
+        explicit passages and the same text sent as one string render alike and reuse the same
+        separator blocks.
+        """
+        if not turns:
+            raise ValueError("no messages to render")
+        role, parts = turns[-1]
+        if role == "user" and not any(isinstance(p, str) and p.strip() for p in parts):
+            raise ValueError("the last message holds no question: add text after the passages")
+        messages, passages = [], []
+        for role, parts in turns:
+            content = []
+            for part in parts:
+                if isinstance(part, Passage):
+                    content.append(_PASSAGE_MARKER.format(len(passages)))
+                    passages.append(part.text)
+                elif part:
+                    content.append(part)
+            messages.append({"role": role, "content": self.format.separator.join(content)})
+        if getattr(self.tokenizer, "chat_template", None):
+            rendered = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        else:  # as `_template_parts` lays out a prompt without a template
+            rendered = "\n\n".join(m["content"] for m in messages) + self.tail
+        if not passages:
+            return rendered, None
+        pieces, spans, position, length = [], [], 0, 0
+        for i, passage in enumerate(passages):
+            marker = _PASSAGE_MARKER.format(i)
+            at = rendered.find(marker, position)
+            if at < 0:
+                raise ValueError("the chat template dropped a passage from the prompt")
+            pieces += [rendered[position:at], passage]
+            length += at - position
+            spans.append((length, length + len(passage)))
+            length += len(passage)
+            position = at + len(marker)
+        pieces.append(rendered[position:])
+        return "".join(pieces), spans

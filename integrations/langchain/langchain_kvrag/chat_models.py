@@ -14,9 +14,9 @@ prompt that renders to the same text gives the same blocks and the same answer e
 
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-from kvrag import KVEngine
+from kvrag import KVEngine, Mode, Passage
 from kvrag.engine import GenerationResult
 from langchain_core.callbacks import CallbackManagerForLLMRun
 from langchain_core.language_models import BaseChatModel, LangSmithParams
@@ -33,9 +33,7 @@ from langchain_core.messages.ai import UsageMetadata
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
 from pydantic import ConfigDict, Field, model_validator
 
-Mode = Literal["block", "full", "prefix", "composite"]
 _ROLES = {HumanMessage: "user", AIMessage: "assistant", SystemMessage: "system"}
-_MARKER = "\x00kvrag-passage-{}\x00"
 _CALL_OPTIONS = ("mode", "max_tokens", "temperature", "top_p", "top_k", "seed")
 
 
@@ -124,35 +122,11 @@ class ChatKVRag(BaseChatModel):
         (None when there are none: the engine then finds indexed passages in the text itself)."""
         if not messages:
             raise ValueError("ChatKVRag needs at least one message")
-        turns, passages = [], []
+        turns = []
         for message in messages:
-            parts = []
-            for kind, text in _content_parts(message):
-                if kind == "text-plain":
-                    parts.append(_MARKER.format(len(passages)))
-                    passages.append(text)
-                elif text:
-                    parts.append(text)
-            # parts joined as the engine joins passages, so its separator blocks are reused too
-            turns.append({"role": _role(message), "content": self.engine.layout.format.separator.join(parts)})
-        last = messages[-1]
-        if isinstance(last, HumanMessage) and not any(k == "text" and t.strip() for k, t in _content_parts(last)):
-            raise ValueError("the last message holds no question: add a text part after the passages")
-        rendered = self.engine.tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
-        if not passages:
-            return rendered, None
-        text, spans, position = [], [], 0
-        for i, passage in enumerate(passages):
-            at = rendered.find(_MARKER.format(i), position)
-            if at < 0:
-                raise ValueError("the chat template dropped a passage from the prompt")
-            text.append(rendered[position:at])
-            start = sum(map(len, text))
-            spans.append((start, start + len(passage)))
-            text.append(passage)
-            position = at + len(_MARKER.format(i))
-        text.append(rendered[position:])
-        return "".join(text), spans
+            parts = [Passage(text) if kind == "text-plain" else text for kind, text in _content_parts(message)]
+            turns.append((_role(message), parts))
+        return self.engine.layout.render_chat(turns)
 
     # ---- generation ---------------------------------------------------------------------------------
 
