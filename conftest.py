@@ -16,3 +16,17 @@ def kvrag_home(tmp_path_factory):
         os.environ.pop("KVRAG_HOME", None)
     else:
         os.environ["KVRAG_HOME"] = old
+
+
+@pytest.fixture
+def encoded(engine, monkeypatch) -> list:
+    """Token ids of every block `engine` (the requesting directory's fixture) computes during the test:
+    `_encode` is the one place a block's KV is computed."""
+    calls, encode = [], engine._encode
+
+    def counting(ids, *args, **kwargs):
+        calls.append(ids)
+        return encode(ids, *args, **kwargs)
+
+    monkeypatch.setattr(engine, "_encode", counting)
+    return calls

@@ -18,12 +18,9 @@ Questions: a JSON list of strings or of {"question": ..., "answers": [...]} obje
 file with one question per line. Given answers are checked: [ok] when one appears in the reply.
 """
 
-import argparse
 import hashlib
-import json
 import statistics
 import time
-from importlib import resources
 from pathlib import Path
 
 from kvrag import KVEngine
@@ -32,16 +29,9 @@ from langchain_kvrag.chains import CHAIN_KINDS, rag_chain
 from langchain_kvrag.chat_models import ChatKVRag
 from langchain_kvrag.vectorstores import KVRagVectorStore
 
-SAMPLE = Path(str(resources.files("kvrag") / "sample"))
+from common import answer_line, parse_args
+
 BASELINES = [kind for kind in CHAIN_KINDS if kind != "stuff"]  # kv_blocks, map_reduce, map_rerank
-
-
-def load_questions(path: Path) -> list[dict]:
-    if path.suffix == ".json":
-        items = json.loads(path.read_text())
-    else:
-        items = [line.strip() for line in path.read_text().splitlines() if line.strip()]
-    return [{"question": item, "answers": []} if isinstance(item, str) else item for item in items]
 
 
 def build_store(engine: KVEngine, folder: Path, passage_tokens: int) -> KVRagVectorStore:
@@ -63,38 +53,24 @@ def build_store(engine: KVEngine, folder: Path, passage_tokens: int) -> KVRagVec
     return store
 
 
-def one_line(text: str, width: int = 100) -> str:
-    text = " ".join(text.split())
-    return text if len(text) <= width else text[: width - 3] + "..."
-
-
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("folder", nargs="?", type=Path, default=SAMPLE, help="text files (default: kvrag's sample)")
-    parser.add_argument("questions", nargs="?", type=Path, help="questions file (default: FOLDER/questions.json)")
-    parser.add_argument("--k", type=int, default=3, help="passages retrieved per question")
-    parser.add_argument("--max-tokens", type=int, default=48, help="longest answer in tokens")
-    parser.add_argument("--passage-tokens", type=int, default=200, help="longest passage in tokens")
-    parser.add_argument("--compare", default="", help="also run these chains, comma-separated: " + ",".join(BASELINES))
-    args = parser.parse_args(argv)
-    compare = [kind for kind in args.compare.split(",") if kind]
-    if unknown := set(compare) - set(BASELINES):
-        parser.error(f"unknown chain(s) {sorted(unknown)} for --compare; choose from {', '.join(BASELINES)}")
-    questions_file = args.questions or args.folder / "questions.json"
-    if not questions_file.is_file():
-        parser.error(f"no questions file {questions_file}: name one after the folder")
-    questions = load_questions(questions_file)
+    args = parse_args(
+        __doc__.split("\n\n")[0],
+        BASELINES,
+        argv,
+        **{"--passage-tokens": dict(type=int, default=200, help="longest passage in tokens")},
+    )
 
     engine = KVEngine.shared()  # one model for the store and both chat models
     retriever = build_store(engine, args.folder, args.passage_tokens).as_retriever(search_kwargs={"k": args.k})
     models = {mode: ChatKVRag(engine=engine, mode=mode, max_tokens=args.max_tokens) for mode in ("full", "block")}
     chains = {f"stuff/{mode}": rag_chain(llm, "stuff", return_details=True) for mode, llm in models.items()}
-    for kind in compare:
+    for kind in args.compare:
         mode = "block" if kind == "kv_blocks" else "full"
         chains[f"{kind}/{mode}"] = rag_chain(models[mode], kind, return_details=True)
 
     speedups = []
-    for item in questions:
+    for item in args.questions:
         docs = retriever.invoke(item["question"])
         print(f"\nQ: {item['question']}")
         ttft = {}
@@ -107,9 +83,7 @@ def main(argv=None) -> None:
                 timing = f"TTFT {ttft[name] * 1e3:6.0f} ms"
             else:  # map_reduce, map_rerank: several calls, the whole chain's time is what the user waits
                 timing = f"total {elapsed:6.2f} s"
-            answers = [a.lower() for a in item.get("answers", [])]
-            mark = "" if not answers else " [ok]" if any(a in result["answer"].lower() for a in answers) else " [?]"
-            print(f"  {name:<16} {timing}  {one_line(result['answer'])}{mark}")
+            print(answer_line(name, timing, result["answer"], item.get("answers", [])))
         speedups.append(ttft["stuff/full"] / ttft["stuff/block"])
     print(f"\nmedian TTFT speed-up of block over full: {statistics.median(speedups):.1f}x")
 

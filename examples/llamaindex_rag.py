@@ -23,12 +23,9 @@ Questions: a JSON list of strings or of {"question": ..., "answers": [...]} obje
 file with one question per line. Given answers are checked: [ok] when one appears in the reply.
 """
 
-import argparse
 import hashlib
-import json
 import statistics
 import time
-from importlib import resources
 from pathlib import Path
 
 from kvrag import KVEngine
@@ -46,16 +43,9 @@ from llama_index.llms.kvrag import (
     default_vector_store,
 )
 
-SAMPLE = Path(str(resources.files("kvrag") / "sample"))
+from common import answer_line, parse_args
+
 BASELINES = ["simple_summarize", "tree_summarize", "refine", "map_rerank"]
-
-
-def load_questions(path: Path) -> list[dict]:
-    if path.suffix == ".json":
-        items = json.loads(path.read_text())
-    else:
-        items = [line.strip() for line in path.read_text().splitlines() if line.strip()]
-    return [{"question": item, "answers": []} if isinstance(item, str) else item for item in items]
 
 
 def build_index(llm: KVRagLLM, folder: Path, chunk_size: int) -> VectorStoreIndex:
@@ -93,27 +83,13 @@ def first_token(query_engine: RetrieverQueryEngine, question: str) -> tuple[floa
     return ttft if ttft is not None else time.perf_counter() - start, text
 
 
-def one_line(text: str, width: int = 100) -> str:
-    text = " ".join(text.split())
-    return text if len(text) <= width else text[: width - 3] + "..."
-
-
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("folder", nargs="?", type=Path, default=SAMPLE, help="text files (default: kvrag's sample)")
-    parser.add_argument("questions", nargs="?", type=Path, help="questions file (default: FOLDER/questions.json)")
-    parser.add_argument("--k", type=int, default=3, help="nodes retrieved per question")
-    parser.add_argument("--max-tokens", type=int, default=48, help="longest answer in tokens")
-    parser.add_argument("--chunk-size", type=int, default=200, help="node size for SentenceSplitter (its own token count)")
-    parser.add_argument("--compare", default="", help="also run these synthesizers, comma-separated: " + ",".join(BASELINES))
-    args = parser.parse_args(argv)
-    compare = [name for name in args.compare.split(",") if name]
-    if unknown := set(compare) - set(BASELINES):
-        parser.error(f"unknown synthesizer(s) {sorted(unknown)} for --compare; choose from {', '.join(BASELINES)}")
-    questions_file = args.questions or args.folder / "questions.json"
-    if not questions_file.is_file():
-        parser.error(f"no questions file {questions_file}: name one after the folder")
-    questions = load_questions(questions_file)
+    args = parse_args(
+        __doc__.split("\n\n")[0],
+        BASELINES,
+        argv,
+        **{"--chunk-size": dict(type=int, default=200, help="node size for SentenceSplitter (in its own tokens)")},
+    )
 
     engine = KVEngine.shared()  # one model for ingestion and every synthesizer
     llms = {mode: KVRagLLM(engine=engine, mode=mode, max_new_tokens=args.max_tokens) for mode in ("full", "block")}
@@ -123,7 +99,7 @@ def main(argv=None) -> None:
         "compact/full": get_response_synthesizer(llm=llms["full"], response_mode="compact", streaming=True),
         "compact/block": get_response_synthesizer(llm=llms["block"], response_mode="compact", streaming=True),
     }
-    for name in compare:
+    for name in args.compare:
         synthesizers[f"{name}/full"] = (
             MapRerankSynthesizer(llms["full"], streaming=True)
             if name == "map_rerank"
@@ -132,7 +108,7 @@ def main(argv=None) -> None:
     engines = {name: RetrieverQueryEngine(retriever, response_synthesizer=s) for name, s in synthesizers.items()}
 
     speedups = []
-    for item in questions:
+    for item in args.questions:
         print(f"\nQ: {item['question']}")
         ttft = {}
         for name, query_engine in engines.items():
@@ -142,9 +118,7 @@ def main(argv=None) -> None:
                 timing = f"TTFT {ttft[name] * 1e3:6.0f} ms"
             else:  # several calls, or an answer that streams only once complete: the whole wait
                 timing = f"total {time.perf_counter() - start:6.2f} s"
-            answers = [a.lower() for a in item.get("answers", [])]
-            mark = "" if not answers else " [ok]" if any(a in answer.lower() for a in answers) else " [?]"
-            print(f"  {name:<24} {timing}  {one_line(answer)}{mark}")
+            print(answer_line(name, timing, answer, item.get("answers", [])))
         speedups.append(ttft["compact/full"] / ttft["block"])
     print(f"\nmedian TTFT speed-up of the block synthesizer over compact with full prefill: {statistics.median(speedups):.1f}x")
 

@@ -28,19 +28,6 @@ def embed_model():
 
 
 @pytest.fixture
-def encoded(engine, monkeypatch) -> list:
-    """Token ids of every block the engine computes during the test (`_encode` computes them all)."""
-    calls, encode = [], engine._encode
-
-    def counting(ids, *args, **kwargs):
-        calls.append(ids)
-        return encode(ids, *args, **kwargs)
-
-    monkeypatch.setattr(engine, "_encode", counting)
-    return calls
-
-
-@pytest.fixture
 def fresh_passages():
     """Makes passages no other test has indexed: fresh_passages(n)."""
 

