@@ -1,5 +1,6 @@
 """kvrag: retrieval-augmented generation that prefills each passage once and reuses its KV cache."""
 
+from .blend import BlendConfig
 from .engine import MODES, GenerationStream, KVEngine, Mode
 from .errors import (
     ContextOverflowError,
@@ -14,6 +15,7 @@ from .prompt import Passage, Prompt, PromptFormat
 
 __all__ = [
     "MODES",
+    "BlendConfig",
     "ContextOverflowError",
     "EmptyInputError",
     "GenerationResult",

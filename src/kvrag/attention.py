@@ -15,23 +15,39 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 NAME = "kvrag_sdpa"
 
 
+QUERY_CHUNK = 64
+
+
 def grouped_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
     q_len, kv_len = query.shape[2], key.shape[2]
     if attention_mask is None and q_len > 1 and q_len != kv_len:
         raise RuntimeError(f"{q_len} queries after {kv_len - q_len} cached keys need an explicit attention mask")
     if attention_mask is not None and attention_mask.dtype != torch.bool:
         attention_mask = attention_mask.to(query.dtype)
-    out = F.scaled_dot_product_attention(
-        query,
-        key,
-        value,
-        attn_mask=attention_mask,
-        dropout_p=dropout,
-        scale=scaling,
-        is_causal=attention_mask is None and q_len > 1,
-        enable_gqa=query.shape[1] != key.shape[1],
-    )
+    options = dict(dropout_p=dropout, scale=scaling, enable_gqa=query.shape[1] != key.shape[1])
+    if attention_mask is None or q_len <= QUERY_CHUNK or attention_mask.shape[-2] == 1:
+        out = F.scaled_dot_product_attention(
+            query, key, value, attn_mask=attention_mask, is_causal=attention_mask is None and q_len > 1, **options
+        )
+    else:
+        chunks = [slice(start, min(start + QUERY_CHUNK, q_len)) for start in range(0, q_len, QUERY_CHUNK)]
+        out = torch.cat([_rows(query, key, value, attention_mask, rows, options) for rows in chunks], dim=2)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _rows(query, key, value, mask, rows: slice, options) -> torch.Tensor:
+    """Attention of a run of queries over only the keys they can see.
+
+    Every mask here is causal in row order (kvrag's, and transformers' causal or sliding-window
+    ones): a later query never sees a later key less, so the run's last row sees furthest. Cutting
+    the keys beyond it is exact and saves the work a full-width mask spends on zeros: with blend
+    mode's recomputed tokens spread over the prompt, about half of it."""
+    last_row = mask[0, 0, rows.stop - 1]
+    visible = last_row if last_row.dtype == torch.bool else last_row > torch.finfo(last_row.dtype).min
+    extent = int(visible.nonzero().max()) + 1
+    return F.scaled_dot_product_attention(
+        query[:, :, rows], key[:, :, :extent], value[:, :, :extent], attn_mask=mask[..., rows, :extent], **options
+    )
 
 
 AttentionInterface.register(NAME, grouped_sdpa_attention)

@@ -2,7 +2,8 @@
 
 A ~50-token question follows about 0..8K tokens of context (system prompt and passages). `full`
 prefills everything, `block` prefills the question only, `prefix` can reuse only the system prompt
-(each run brings passages no earlier request had, as a new retrieval does), and `floor` is the same
+(each run brings passages no earlier request had, as a new retrieval does), `blend` recomputes
+10%, 15% or 30% of the passage tokens with the question (CacheBlend), and `floor` is the same
 request without passages: the least any mode can take for this question. Runs of the modes are
 interleaved so that a noisy machine affects them alike; ratios are against `full` from the same run.
 FLOPs to first token follow the TurboRAG appendix (QKV, attention, output projection and MLP per
@@ -10,6 +11,10 @@ computed token).
 """
 
 import statistics
+
+from .blend import BlendConfig
+
+BLEND_RATIOS = (0.10, 0.15, 0.30)
 
 QUESTION = (
     "Considering every passage above about the island, its towns, its engineers and its festivals, "
@@ -22,17 +27,31 @@ FILLER = (
 )
 
 
-def flops_to_first_token(config, computed: int, context_before: int) -> float:
-    """FLOPs to prefill `computed` tokens that follow `context_before` cached tokens, plus one LM head."""
+def layer_flops(config, tokens: float, keys: float) -> float:
+    """FLOPs of one decoder layer computing `tokens` tokens whose attention reads `keys` keys in all."""
     d = config.hidden_size
     head_dim = getattr(config, "head_dim", None) or d // config.num_attention_heads
     d_q = config.num_attention_heads * head_dim
     d_kv = config.num_key_value_heads * head_dim
     per_token = 2 * d * (d_q + 2 * d_kv) + 2 * d_q * d + 6 * d * config.intermediate_size
-    # token i of the computed run attends to context_before + i + 1 keys (QK^T and AV: 4 * d_q each)
+    return tokens * per_token + 4 * d_q * keys  # QK^T and AV: 4 * d_q per query-key pair
+
+
+def flops_to_first_token(config, computed: int, context_before: int) -> float:
+    """FLOPs to prefill `computed` tokens that follow `context_before` cached tokens, plus one LM head."""
+    # token i of the computed run attends to context_before + i + 1 keys
     keys = computed * context_before + computed * (computed + 1) / 2
-    attention = 4 * d_q * keys
-    return config.num_hidden_layers * (computed * per_token + attention) + 2 * d * config.vocab_size
+    return config.num_hidden_layers * layer_flops(config, computed, keys) + 2 * config.hidden_size * config.vocab_size
+
+
+def flops_blend(config, context: int, question: int, recomputed: int) -> float:
+    """Blend mode with one check layer: the selection pass runs the first layer over the whole
+    context, then `recomputed` context tokens (spread over it: half the context's keys each, on
+    average) and the question run through every layer."""
+    selection = layer_flops(config, context, context * (context + 1) / 2)
+    keys = recomputed * context / 2 + question * context + question * (question + 1) / 2
+    computed = config.num_hidden_layers * layer_flops(config, recomputed + question, keys)
+    return selection + computed + 2 * config.hidden_size * config.vocab_size
 
 
 def make_passages(engine, total_tokens: int, block_tokens: int = 256, tag: str = "") -> list[str]:
@@ -47,8 +66,8 @@ def make_passages(engine, total_tokens: int, block_tokens: int = 256, tag: str =
     return passages
 
 
-def _ttft(engine, question, passages, mode) -> float:
-    return engine.generate(question, passages, mode=mode, max_new_tokens=1).ttft
+def _ttft(engine, question, passages, mode, blend=None) -> float:
+    return engine.generate(question, passages, mode=mode, max_new_tokens=1, blend=blend).ttft
 
 
 def ttft_table(engine, lengths=(0, 512, 1024, 2048, 4096, 8000), runs: int = 3, question: str = QUESTION, progress=print):
@@ -64,21 +83,26 @@ def ttft_table(engine, lengths=(0, 512, 1024, 2048, 4096, 8000), runs: int = 3, 
         prompt, _ = engine.build_prompt(question, passages)
         q_tokens = len(prompt.question)
         cached = len(prompt) - q_tokens
-        times = {"floor": [], "full": [], "block": [], "prefix": []}
+        blends = {f"blend{round(r * 100)}": BlendConfig(recompute_ratio=r) for r in BLEND_RATIOS}
+        times = {name: [] for name in ("floor", "full", "block", "prefix", *blends)}
         _ttft(engine, question, passages, "block")  # warm-up: buffers and allocator
         for run in range(runs):
             times["floor"].append(_ttft(engine, question, [], "block"))
             times["full"].append(_ttft(engine, question, passages, "full"))
             times["block"].append(_ttft(engine, question, passages, "block"))
+            for name, blend in blends.items():
+                times[name].append(_ttft(engine, question, passages, "blend", blend))
             # passages no earlier request has seen: only the system prompt can be a cached prefix
             unseen = make_passages(engine, budget, tag=f"{length}-{run}-") if passages else []
             times["prefix"].append(_ttft(engine, question, unseen, "prefix"))
         row = {name: statistics.median(values) for name, values in times.items()}
+        passage_tokens = cached - system
         row.update(
             context=cached,
             question_tokens=q_tokens,
             flops_full=flops_to_first_token(config, cached + q_tokens, 0),
             flops_block=flops_to_first_token(config, q_tokens, cached),
+            flops_blend15=flops_blend(config, cached, q_tokens, round(0.15 * passage_tokens)),
         )
         rows.append(row)
         progress(format_row(row))
@@ -87,13 +111,16 @@ def ttft_table(engine, lengths=(0, 512, 1024, 2048, 4096, 8000), runs: int = 3, 
 
 HEADER = (
     f"{'context':>8} {'floor ms':>9} {'full ms':>9} {'prefix ms':>9} {'block ms':>9} "
-    f"{'full/block':>10} {'block/floor':>11} {'GFLOPs full':>11} {'GFLOPs block':>12}"
+    f"{'blend10 ms':>10} {'blend15 ms':>10} {'blend30 ms':>10} {'full/block':>10} {'full/blend15':>12} "
+    f"{'block/floor':>11} {'GFLOPs full':>11} {'GFLOPs block':>12} {'GFLOPs blend15':>14}"
 )
 
 
 def format_row(row) -> str:
     return (
         f"{row['context']:>8} {row['floor'] * 1e3:>9.1f} {row['full'] * 1e3:>9.1f} {row['prefix'] * 1e3:>9.1f} "
-        f"{row['block'] * 1e3:>9.1f} {row['full'] / row['block']:>9.1f}x {row['block'] / row['floor']:>10.2f}x "
-        f"{row['flops_full'] / 1e9:>11.1f} {row['flops_block'] / 1e9:>12.2f}"
+        f"{row['block'] * 1e3:>9.1f} {row['blend10'] * 1e3:>10.1f} {row['blend15'] * 1e3:>10.1f} "
+        f"{row['blend30'] * 1e3:>10.1f} {row['full'] / row['block']:>9.1f}x {row['full'] / row['blend15']:>11.1f}x "
+        f"{row['block'] / row['floor']:>10.2f}x {row['flops_full'] / 1e9:>11.1f} {row['flops_block'] / 1e9:>12.2f} "
+        f"{row['flops_blend15'] / 1e9:>14.1f}"
     )

@@ -19,6 +19,7 @@ class BufferLayer(DynamicLayer):
         self.key_buffer, self.value_buffer = keys, values  # [1, kv_heads, capacity, head_dim]
         self.dtype, self.device = keys.dtype, keys.device
         self.is_initialized = True
+        self.slots: torch.Tensor | None = None  # blend mode: new tokens overwrite these slots
         self.set_length(0)
 
     def set_length(self, length: int) -> None:
@@ -27,6 +28,10 @@ class BufferLayer(DynamicLayer):
         self.values = self.value_buffer[:, :, :length]
 
     def update(self, key_states, value_states, *args, **kwargs):
+        if self.slots is not None:  # fresh KV for tokens of an already filled cache, at their slots
+            self.key_buffer[:, :, self.slots] = key_states
+            self.value_buffer[:, :, self.slots] = value_states
+            return self.keys, self.values
         end = self.length + key_states.shape[-2]
         if end > self.key_buffer.shape[-2]:
             raise RuntimeError(f"KV buffer of {self.key_buffer.shape[-2]} tokens overflowed ({end} needed)")
@@ -54,11 +59,13 @@ class Workspace:
     def capacity(self) -> int:
         return self.keys.shape[3]
 
-    def cache(self, length: int = 0) -> Cache:
-        """A fresh cache over these buffers whose first `length` slots are already filled."""
+    def cache(self, length: int = 0, slots: torch.Tensor | None = None) -> Cache:
+        """A fresh cache over these buffers whose first `length` slots are already filled; with
+        `slots`, the next update writes there instead of appending (set `layer.slots = None` after)."""
         layers = [BufferLayer(k, v) for k, v in zip(self.keys, self.values)]
         for layer in layers:
             layer.set_length(length)
+            layer.slots = slots
         return Cache(layers=layers)
 
 

@@ -7,6 +7,9 @@ Modes (all prefill exactly the ids of `Prompt.ids()`; they differ in what is reu
   composite  cached blocks keep the positions they were encoded at (TurboRAG "composite")
   prefix     prefix caching: reuse the longest run of leading blocks whose exact causal KV was
              computed before in the same order, prefill the rest
+  blend      block mode plus CacheBlend: recompute the passage tokens whose KV deviates most
+             (a `BlendConfig.recompute_ratio` share) with the question, restoring cross-passage
+             attention (see blend.py)
 """
 
 import os
@@ -21,8 +24,9 @@ from typing import Literal, get_args
 import torch
 from tqdm.auto import tqdm
 
-from . import attention, model as model_lib
+from . import attention, blend as blend_lib, model as model_lib
 from .assemble import Piece, fill
+from .blend import BlendConfig
 from .cache import WorkspacePool
 from .errors import ContextOverflowError, EmptyInputError, InputEncodingError, UnknownBlockError
 from .generate import GenerationResult, Sampler, TextTracker
@@ -30,7 +34,7 @@ from .match import PassageMatcher
 from .prompt import Prompt, PromptFormat, PromptLayout
 from .store import KVBlock, KVStore
 
-Mode = Literal["full", "block", "composite", "prefix"]
+Mode = Literal["full", "block", "composite", "prefix", "blend"]
 MODES: tuple[str, ...] = get_args(Mode)
 BLOCK_CONTEXTS = ("none", "prefix")
 _BLOCK_ID = re.compile(r"^kv_([0-9a-f]{32})$")
@@ -94,7 +98,9 @@ class KVEngine:
         home: str | Path | None = None,
         persist: bool = True,
         fingerprint: str | None = None,
+        blend: BlendConfig | None = None,
     ):
+        """`blend`: the default of blend mode's settings (each request may pass its own)."""
         model_lib.check_supported(model.config)
         if block_context not in BLOCK_CONTEXTS:
             raise ValueError(f"block_context must be one of {BLOCK_CONTEXTS}, got {block_context!r}")
@@ -118,6 +124,7 @@ class KVEngine:
             config.num_hidden_layers, config.num_key_value_heads, head_dim, model.dtype, model.device
         )
         self.eos_ids = self._eos_ids()
+        self.blend = self._check_blend(blend or BlendConfig())
         self._known: dict[str, list[int]] = {}  # block key -> token ids, for ids handed out by index()
 
     @classmethod
@@ -155,6 +162,12 @@ class KVEngine:
     def _encoded_after(self, prefix: list[int]) -> list[int] | None:
         """What passage blocks are encoded after: nothing, or the prefix."""
         return prefix if self.block_context == "prefix" and prefix else None
+
+    def _check_blend(self, config: BlendConfig) -> BlendConfig:
+        layers = self.model.config.num_hidden_layers
+        if config.check_layers[-1] >= layers:
+            raise ValueError(f"blend check_layers {config.check_layers} must be below the model's {layers} layers")
+        return config
 
     def _check_fits(self, n_tokens: int, what: str) -> None:
         if n_tokens >= self.context_window:
@@ -319,10 +332,20 @@ class KVEngine:
     # ---- prefill ------------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def prefill(self, prompt: Prompt, mode: str = "block", *, keys=None, extra_capacity: int = 1, all_logits: bool = False) -> Prefill:
+    def prefill(
+        self,
+        prompt: Prompt,
+        mode: str = "block",
+        *,
+        keys=None,
+        extra_capacity: int = 1,
+        all_logits: bool = False,
+        blend: BlendConfig | None = None,
+    ) -> Prefill:
         """Put the prompt's KV into a workspace cache and compute the question tokens' logits.
 
         The caller owns `result.workspace` and must hand it back with `engine.release(result)`.
+        `blend` overrides the engine's blend settings for mode "blend".
         """
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -330,8 +353,11 @@ class KVEngine:
             context = self._context(prompt.prefix)
             keys = [self.store.key(context, b) for b in prompt.blocks]
         ws = self.pool.acquire(len(prompt) + extra_capacity)
+        keep = len(prompt.question) if all_logits else 1
         try:
-            return getattr(self, f"_prefill_{mode}")(prompt, keys, ws, len(prompt.question) if all_logits else 1)
+            if mode == "blend":
+                return self._prefill_blend(prompt, keys, ws, keep, self._check_blend(blend) if blend else self.blend)
+            return getattr(self, f"_prefill_{mode}")(prompt, keys, ws, keep)
         except BaseException:
             self.pool.release(ws)
             raise
@@ -345,10 +371,13 @@ class KVEngine:
         logits = self._forward(ids, cache, 0, logits_to_keep=keep, causal_only=True)
         return Prefill(logits, cache, len(ids), len(ids), 0, {}, ws)
 
-    def _prefill_block(self, prompt, keys, ws, keep, reorder: bool = True):
+    def _assemble(self, prompt, keys, ws, reorder: bool = True):
+        """Write the prefix's and blocks' cached KV (computed on a miss) into `ws`, each block moved to
+        where it sits (`reorder`) or left where it was encoded. Returns the slots filled, a bool per
+        slot telling whether its KV came from the store, and the hits per tier."""
         hits: dict[str, int] = {}
         context = self._context(prompt.prefix)
-        pieces, position, reused = [], 0, 0
+        pieces, position, stored = [], 0, []
         after = self._encoded_after(prompt.prefix)
         parts = [(self.store.key("none", prompt.prefix), "none", prompt.prefix, None)] if prompt.prefix else []
         parts += [(k, context, ids, after) for k, ids in zip(keys, prompt.blocks)]
@@ -356,12 +385,29 @@ class KVEngine:
             block, tier = self._fetch(key, ctx, ids, encoded_after, hits)
             pieces.append(Piece(block, position if reorder else block.start))
             position += len(block)
-            reused += len(block) if tier != "computed" else 0
+            stored += [tier != "computed"] * len(block)
         fill(ws, pieces, self.inv_freq)
+        return position, torch.tensor(stored, dtype=torch.bool), hits
+
+    def _prefill_block(self, prompt, keys, ws, keep, reorder: bool = True):
+        position, stored, hits = self._assemble(prompt, keys, ws, reorder)
         cache = ws.cache(position)
         logits = self._forward(prompt.question, cache, position, logits_to_keep=keep)
+        reused = int(stored.sum())
         computed = position - reused + len(prompt.question)
         return Prefill(logits, cache, position + len(prompt.question), computed, reused, hits, ws)
+
+    def _prefill_blend(self, prompt, keys, ws, keep, config: BlendConfig):
+        """Block mode's cache, then the question with the passage tokens whose KV deviates most,
+        recomputed in context over it (see blend.py)."""
+        position, stored, hits = self._assemble(prompt, keys, ws)
+        first = len(prompt.prefix)
+        starts = [first + sum(map(len, prompt.blocks[:i])) for i in range(len(prompt.blocks))]
+        logits, recomputed = blend_lib.prefill(self.model, ws, prompt.ids(), first, position, starts, config, keep)
+        cache = ws.cache(len(prompt))
+        reused = int(stored.sum() - stored[recomputed.cpu()].sum())
+        computed = int((~stored).sum()) + len(recomputed) + len(prompt.question)
+        return Prefill(logits, cache, len(prompt), computed, reused, hits, ws)
 
     def _prefill_composite(self, prompt, keys, ws, keep):
         return self._prefill_block(prompt, keys, ws, keep, reorder=False)
@@ -410,8 +456,9 @@ class KVEngine:
     def stream(self, question: str, blocks=(), **kwargs) -> GenerationStream:
         """Stream the answer as text deltas; the returned object's `result` holds text, timings and reuse.
 
-        Options: mode, max_new_tokens, temperature, top_p, top_k, seed, stop, and max_time (seconds,
-        after which generation ends with finish_reason "timeout").
+        Options: mode, max_new_tokens, temperature, top_p, top_k, seed, stop, max_time (seconds,
+        after which generation ends with finish_reason "timeout"), and blend (a `BlendConfig` for
+        mode "blend"; default: the engine's).
         """
         blocks = list(blocks)
         return self._stream(lambda: self.build_prompt(question, blocks), **kwargs)
@@ -438,6 +485,7 @@ class KVEngine:
         seed: int | None = None,
         stop: list[str] | str | None = None,
         max_time: float | None = None,
+        blend: BlendConfig | None = None,
     ) -> GenerationStream:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -445,15 +493,16 @@ class KVEngine:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         sampler = Sampler(temperature, top_p, top_k, seed)
         stops = [stop] if isinstance(stop, str) else list(stop or [])
-        return GenerationStream(self._run(build, mode, max_new_tokens, sampler, stops, max_time))
+        blend = self._check_blend(blend) if blend is not None else self.blend
+        return GenerationStream(self._run(build, mode, max_new_tokens, sampler, stops, max_time, blend))
 
     @torch.inference_mode()
-    def _run(self, build, mode, max_new_tokens, sampler, stops, max_time=None):
+    def _run(self, build, mode, max_new_tokens, sampler, stops, max_time=None, blend=None):
         """Yield text deltas; return the GenerationResult. `build` makes (prompt, keys): inside the timing."""
         start = time.perf_counter()
         prompt, keys = build()
         budget = min(max_new_tokens, self.context_window - len(prompt))
-        state = self.prefill(prompt, mode, keys=keys, extra_capacity=budget)
+        state = self.prefill(prompt, mode, keys=keys, extra_capacity=budget, blend=blend)
         tracker = TextTracker(self.tokenizer, stops)
         ttft, finish = None, "length"
         try:

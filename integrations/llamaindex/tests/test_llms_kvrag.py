@@ -130,6 +130,11 @@ def test_call_options_override_the_fields(llm, indexed):
     assert short.additional_kwargs["completion_tokens"] == 3 and short.additional_kwargs["finish_reason"] == "length"
     full = llm.chat(messages, mode="full", max_new_tokens=3)
     assert full.additional_kwargs["mode"] == "full" and full.additional_kwargs["reused_tokens"] == 0
+    block = llm.chat(messages, max_new_tokens=1)  # now every block is stored
+    blend = llm.chat(messages, mode="blend", max_new_tokens=3)
+    stats = blend.additional_kwargs
+    assert stats["mode"] == "blend" and block.additional_kwargs["prefilled_tokens"] < stats["prefilled_tokens"]
+    assert stats["prefilled_tokens"] + stats["reused_tokens"] == stats["prompt_tokens"]
     stopped = llm.chat(messages, stop=["Petra"])
     assert "Petra" not in stopped.message.content and stopped.additional_kwargs["finish_reason"] == "stop"
 

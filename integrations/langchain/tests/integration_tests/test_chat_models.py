@@ -115,6 +115,17 @@ def test_full_mode_prefills_everything_block_mode_only_the_question(llm):
     assert "brandt" in full.content.lower()
 
 
+def test_blend_mode_recomputes_a_share_of_the_passages(llm):
+    messages = explicit_blocks(PASSAGES, QUESTION)
+    llm.invoke(messages)  # stores the system prompt's block: from now on only recomputation is prefilled
+    block = llm.invoke(messages)
+    blend = llm.invoke(messages, mode="blend")  # the engine's BlendConfig: 15% of the passage tokens
+    metadata = blend.response_metadata
+    assert metadata["mode"] == "blend" and "brandt" in blend.content.lower()
+    assert block.response_metadata["prefilled_tokens"] < metadata["prefilled_tokens"] < blend.usage_metadata["input_tokens"] / 2
+    assert metadata["prefilled_tokens"] + metadata["reused_tokens"] == blend.usage_metadata["input_tokens"]
+
+
 def test_streamed_chunks_carry_usage_once_and_join_to_the_invoked_answer(llm):
     messages = explicit_blocks(PASSAGES, QUESTION)
     chunks = list(llm.stream(messages))

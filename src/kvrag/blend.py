@@ -1,0 +1,149 @@
+"""CacheBlend: keep the cached KV of almost every passage token, recompute the few whose KV
+deviates most from what it would be in context, and so restore most cross-passage attention.
+
+Block mode's passages never attended to each other. Recomputing every token (`full`) restores
+that at the full prefill cost; CacheBlend observes that a small share of tokens carries most of
+the difference, and that a token's deviation on an early layer predicts it on later ones.
+
+One pass over the layers, starting from block mode's assembled cache. Every token is computed on
+layer 0, whose KV depends on the token alone (so its fresh KV is the cached KV, up to rounding)
+and whose output every later choice needs. On each check layer the passage tokens still being
+computed are compared with their cached K or V and only the most deviating share goes on; the
+question always does. A computed token writes its fresh K/V over the cached ones
+(`Workspace.cache`'s slots) and attends over the blended cache with an explicit causal mask. On
+the last layer the passage tokens only write their K/V: nothing reads their output.
+Recompute ratio 1 recomputes every token, which is `full`; ratio 0 only the question, which is
+`block` (when the first check layer is 0 or 1). Positions are block mode's re-encoded ones.
+"""
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from transformers.models.llama.modeling_llama import rotate_half
+
+
+
+@dataclass(frozen=True)
+class BlendConfig:
+    """How much of the passages blend mode recomputes, and how it chooses.
+
+    recompute_ratio  share of passage tokens recomputed (the question always is): 0 is block mode,
+                     1 is full prefill; CacheBlend's default 0.15.
+    check_layers     decoder layers on which deviation is measured; layer 0's KV depends only on
+                     the token itself, so the first layer that can deviate is 1 (the default).
+    deviation        compare "keys" (measured closer to full here, see the README) or "values"
+                     (CacheBlend's implementation).
+    widen            with several check layers, the first keeps `widen` times the final share and
+                     later ones narrow it linearly to `recompute_ratio` (CacheBlend's gradual filtering).
+    sink_tokens      the first tokens of every block are recomputed as well (each block's own
+                     attention sink, after EPIC), on top of the ratio.
+    """
+
+    recompute_ratio: float = 0.15
+    check_layers: tuple[int, ...] = (1,)
+    deviation: Literal["keys", "values"] = "keys"
+    widen: float = 2.0
+    sink_tokens: int = 0
+
+    def __post_init__(self):
+        if not 0.0 <= self.recompute_ratio <= 1.0:
+            raise ValueError(f"recompute_ratio must be within [0, 1], got {self.recompute_ratio}")
+        layers = tuple(self.check_layers)
+        if not layers or list(layers) != sorted(set(layers)) or layers[0] < 0:
+            raise ValueError(f"check_layers must be distinct increasing layer indices, got {self.check_layers}")
+        object.__setattr__(self, "check_layers", layers)
+        if self.deviation not in ("values", "keys"):
+            raise ValueError(f"deviation must be 'values' or 'keys', got {self.deviation!r}")
+        if self.widen < 1.0:
+            raise ValueError(f"widen must be at least 1, got {self.widen}")
+        if self.sink_tokens < 0:
+            raise ValueError(f"sink_tokens must be >= 0, got {self.sink_tokens}")
+
+    def kept(self, check: int, candidates: int) -> int:
+        """Tokens that survive the `check`-th check layer out of `candidates`."""
+        last = len(self.check_layers) - 1
+        share = self.recompute_ratio * (self.widen - (self.widen - 1) * check / last if last else 1.0)
+        return min(candidates, round(min(share, 1.0) * candidates))
+
+
+def causal_mask_at(positions: torch.Tensor, length: int, dtype: torch.dtype) -> torch.Tensor:
+    """Additive [1, 1, len(positions), length] mask: the token at position p sees cache slots 0..p."""
+    visible = torch.arange(length, device=positions.device)[None, :] <= positions[:, None]
+    mask = torch.zeros(visible.shape, dtype=dtype, device=positions.device)
+    return mask.masked_fill_(~visible, torch.finfo(dtype).min)[None, None]
+
+
+def fresh_kv(layer, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The keys (rotated to their positions) and values [1, kv_heads, n, head_dim] that `layer`
+    computes from `hidden`, as its attention does before writing them to the cache."""
+    attn = layer.self_attn
+    x = layer.input_layernorm(hidden)
+    shape = (*x.shape[:-1], -1, attn.head_dim)
+    keys = attn.k_proj(x).view(shape)
+    if hasattr(attn, "k_norm"):  # Qwen3 normalizes keys per head before RoPE
+        keys = attn.k_norm(keys)
+    keys = keys.transpose(1, 2)
+    values = attn.v_proj(x).view(shape).transpose(1, 2)
+    return keys * cos[:, None] + rotate_half(keys) * sin[:, None], values
+
+
+@torch.inference_mode()
+def prefill(model, workspace, ids: list[int], first: int, context: int, block_starts: list[int], config: BlendConfig, keep: int = 1):
+    """Blend the question `ids[context:]` into the cache: `workspace` holds the block-mode KV of
+    `ids[:context]` (the prefix, then blocks beginning at `block_starts`, passages from `first`).
+    Returns the logits of the last `keep` tokens and the passage positions recomputed throughout."""
+    decoder = model.get_decoder()
+    device, n = workspace.keys.device, len(ids)
+    candidates = context - first
+    sinks = torch.tensor(
+        sorted({p for start in block_starts for p in range(start, min(start + config.sink_tokens, context))}),
+        dtype=torch.long,
+        device=device,
+    )
+    active = torch.arange(n, device=device)
+    hidden = decoder.embed_tokens(torch.tensor(ids, device=device))[None]
+    cache = workspace.cache(n)
+    last = len(decoder.layers) - 1
+    mask = None  # every token runs: plain causal attention
+    for index, layer in enumerate(decoder.layers):
+        cos, sin = decoder.rotary_emb(hidden, active[None])
+        if index in config.check_layers:
+            stay = _survivors(layer, index, hidden, cos, sin, active, workspace, first, context, sinks, candidates, config)
+            active, hidden, cos, sin = active[stay], hidden[:, stay], cos[:, stay], sin[:, stay]
+            mask = causal_mask_at(active, n, hidden.dtype)
+        if index == last:  # the passage tokens' output is never read: write their KV and drop them
+            passage = int((active < context).sum())
+            recomputed = active[:passage]  # the prefix left at the first check layer
+            if passage:
+                keys, values = fresh_kv(layer, hidden[:, :passage], cos[:, :passage], sin[:, :passage])
+                workspace.keys[index][:, :, recomputed] = keys
+                workspace.values[index][:, :, recomputed] = values
+            active, hidden, cos, sin = active[passage:], hidden[:, passage:], cos[:, passage:], sin[:, passage:]
+            mask = causal_mask_at(active, n, hidden.dtype)
+        cache.layers[index].slots = active
+        hidden = layer(
+            hidden,
+            attention_mask=mask,
+            position_ids=active[None],
+            past_key_values=cache,
+            position_embeddings=(cos, sin),
+        )
+    for buffer in cache.layers:
+        buffer.slots = None
+    logits = model.lm_head(decoder.norm(hidden[:, -keep:]))
+    return logits[0], recomputed
+
+
+def _survivors(layer, index, hidden, cos, sin, active, workspace, first, context, sinks, candidates, config) -> torch.Tensor:
+    """Which active tokens go on past check layer `index`: the question, the block sinks, and the
+    passage tokens whose fresh K or V deviates most from the cached ones."""
+    passage = (active >= first) & (active < context)
+    if not passage.any():
+        return (active >= context) | torch.isin(active, sinks)
+    keys, values = fresh_kv(layer, hidden[:, passage], cos[:, passage], sin[:, passage])
+    fresh, cached = (values, workspace.values) if config.deviation == "values" else (keys, workspace.keys)
+    deviation = (fresh - cached[index][:, :, active[passage]].to(fresh.dtype)).square().sum(dim=(0, 1, 3))
+    kept = config.kept(config.check_layers.index(index), candidates)
+    chosen = active[passage][deviation.topk(min(kept, len(deviation))).indices]
+    return (active >= context) | torch.isin(active, chosen) | torch.isin(active, sinks)

@@ -1,0 +1,136 @@
+"""Blend mode (CacheBlend): DESIGN.md invariant 3 on tiny random-weight models of every supported
+family, the token selection against a brute-force reference, and blend's settings."""
+
+import pytest
+import torch
+from conftest import ARCHS
+from test_invariants import question_logits, random_prompt
+from tiny import tiny_configs, tiny_model
+
+from kvrag import BlendConfig, KVEngine
+from kvrag.blend import prefill
+
+
+@pytest.fixture
+def deep_engine(tok, tmp_path):
+    """Like `make_engine`, with 4 layers: room for check layers past the second."""
+
+    def make(arch="llama", **kwargs):
+        config = tiny_configs(len(tok))[arch]
+        settings = {k: v for k, v in config.to_dict().items() if k != "layer_types"}
+        deep = type(config)(**{**settings, "num_hidden_layers": 4})
+        return KVEngine(tiny_model(deep), tok, home=tmp_path, storage_dtype=torch.float32, **kwargs)
+
+    return make
+
+
+def blend_logits(engine, prompt, **settings):
+    state = engine.prefill(prompt, "blend", all_logits=True, blend=BlendConfig(**settings))
+    try:
+        return state.logits.clone()
+    finally:
+        engine.release(state)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_blend_endpoints_are_full_and_block(make_engine, tok, arch):
+    engine = make_engine(arch)
+    prompt = random_prompt(len(tok))
+    full, block = question_logits(engine, prompt, "full"), question_logits(engine, prompt, "block")
+    torch.testing.assert_close(blend_logits(engine, prompt, recompute_ratio=1.0), full, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(blend_logits(engine, prompt, recompute_ratio=0.0), block, rtol=1e-4, atol=1e-4)
+    # in between the selection pass runs, and the result lies between the two
+    half = blend_logits(engine, prompt, recompute_ratio=0.5)
+    assert (half[-1] - full[-1]).norm() < (block[-1] - full[-1]).norm()
+
+
+@torch.inference_mode()
+def recomputed(engine, prompt, config):
+    """The passage positions blend mode recomputes for `prompt`."""
+    ws = engine.pool.acquire(len(prompt) + 1)
+    try:
+        position, _, _ = engine._assemble(prompt, [engine.store.key("none", b) for b in prompt.blocks], ws)
+        first = len(prompt.prefix)
+        starts = [first + sum(map(len, prompt.blocks[:i])) for i in range(len(prompt.blocks))]
+        return prefill(engine.model, ws, prompt.ids(), first, position, starts, config)[1]
+    finally:
+        engine.pool.release(ws)
+
+
+@pytest.mark.parametrize("arch, deviation", [("llama", "values"), ("qwen3", "keys"), ("llama3-scaled", "keys")])
+def test_selection_takes_the_tokens_whose_kv_deviates_most_in_context(deep_engine, tok, arch, deviation):
+    """On one check layer the chosen tokens are the top share by the distance between their cached
+    K or V and those of a plain causal forward over the whole context (what the layers before the
+    check compute, every token running)."""
+    engine = deep_engine(arch)
+    prompt = random_prompt(len(tok))
+    context = prompt.ids()[: len(prompt) - len(prompt.question)]
+    first = len(prompt.prefix)
+    ws = engine.pool.acquire(len(prompt) + 1)
+    with torch.inference_mode():
+        engine._assemble(prompt, [engine.store.key("none", b) for b in prompt.blocks], ws)
+        cached = (ws.values if deviation == "values" else ws.keys)[2][:, :, : len(context)].clone()
+    engine.pool.release(ws)
+    with torch.no_grad():
+        in_context = engine.model(torch.tensor([context]), use_cache=True).past_key_values.layers[2]
+    fresh = in_context.values if deviation == "values" else in_context.keys
+    distance = (fresh - cached).square().sum(dim=(0, 1, 3))[first:]
+    expected = (distance.topk(round(0.3 * len(distance))).indices + first).sort().values
+    got = recomputed(engine, prompt, BlendConfig(recompute_ratio=0.3, check_layers=(2,), deviation=deviation))
+    assert got.tolist() == expected.tolist()
+
+
+def test_gradual_filtering_and_block_sinks(deep_engine, tok):
+    engine = deep_engine("qwen2")
+    prompt = random_prompt(len(tok))
+    first = len(prompt.prefix)
+    starts = [first + sum(map(len, prompt.blocks[:i])) for i in range(len(prompt.blocks))]
+    candidates = sum(map(len, prompt.blocks))
+    narrowed = recomputed(engine, prompt, BlendConfig(0.25, check_layers=(1, 2, 3), widen=3.0))
+    assert len(narrowed) == round(0.25 * candidates) and narrowed.tolist() == sorted(set(narrowed.tolist()))
+    assert all(first <= p < first + candidates for p in narrowed.tolist())
+    with_sinks = recomputed(engine, prompt, BlendConfig(0.25, sink_tokens=2))
+    sinks = {s + i for s in starts for i in range(2)}
+    assert sinks <= set(with_sinks.tolist()) and len(with_sinks) <= round(0.25 * candidates) + len(sinks)
+    assert BlendConfig(0.3, check_layers=(1, 2, 3), widen=2.0).kept(0, 100) == 60
+    assert BlendConfig(0.3, check_layers=(1, 2, 3), widen=2.0).kept(1, 100) == 45
+    assert BlendConfig(0.3, check_layers=(1, 2, 3), widen=2.0).kept(2, 100) == 30
+
+
+def test_blend_generation_reports_what_it_recomputed(make_engine, tok):
+    engine = make_engine("llama", blend=BlendConfig(recompute_ratio=0.2))
+    texts = ["The river Olm freezes every winter near the mill.", "Anna Kell built the mill in 1820 from grey stone."]
+    engine.index(texts, progress=False)
+    result = engine.generate("Who built the mill?", texts, mode="blend", max_new_tokens=4)
+    prompt, _ = engine.build_prompt("Who built the mill?", texts)
+    passage_tokens = len(prompt) - len(prompt.prefix) - len(prompt.question)
+    recomputed = round(0.2 * passage_tokens)
+    assert result.mode == "blend" and len(result.token_ids) == 4
+    assert result.prefilled_tokens == len(prompt.question) + recomputed
+    assert result.reused_tokens == len(prompt) - len(prompt.question) - recomputed
+    streamed = "".join(engine.stream("Who built the mill?", texts, mode="blend", max_new_tokens=4))
+    assert streamed == result.text
+    alone = engine.generate("Who built the mill?", [], mode="blend", max_new_tokens=4)  # nothing to blend
+    assert alone.token_ids == engine.generate("Who built the mill?", [], mode="block", max_new_tokens=4).token_ids
+
+
+@pytest.mark.parametrize(
+    "settings, match",
+    [
+        (dict(recompute_ratio=1.5), "recompute_ratio"),
+        (dict(check_layers=()), "check_layers"),
+        (dict(check_layers=(2, 1)), "check_layers"),
+        (dict(deviation="queries"), "deviation"),
+        (dict(widen=0.5), "widen"),
+        (dict(sink_tokens=-1), "sink_tokens"),
+    ],
+)
+def test_bad_blend_settings_are_refused(settings, match):
+    with pytest.raises(ValueError, match=match):
+        BlendConfig(**settings)
+
+
+def test_check_layers_must_exist_in_the_model(make_engine):
+    engine = make_engine()
+    with pytest.raises(ValueError, match="below the model's"):
+        engine.generate("Who?", ["A passage about a mill."], mode="blend", blend=BlendConfig(check_layers=(99,)))
