@@ -10,7 +10,7 @@ layer 0, whose KV depends on the token alone (so its fresh KV is the cached KV, 
 and whose output every later choice needs. On each check layer the passage tokens still being
 computed are compared with their cached K or V and only the most deviating share goes on; the
 question always does. A computed token writes its fresh K/V over the cached ones
-(`Workspace.cache`'s slots) and attends over the blended cache with an explicit causal mask. On
+(the cache layers' `slots`) and attends over the blended cache with an explicit causal mask. On
 the last layer the passage tokens only write their K/V: nothing reads their output.
 Recompute ratio 1 recomputes every token, which is `full`; ratio 0 only the question, which is
 `block` (when the first check layer is 0 or 1). Positions are block mode's re-encoded ones.

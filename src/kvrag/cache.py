@@ -19,7 +19,7 @@ class BufferLayer(DynamicLayer):
         self.key_buffer, self.value_buffer = keys, values  # [1, kv_heads, capacity, head_dim]
         self.dtype, self.device = keys.dtype, keys.device
         self.is_initialized = True
-        self.slots: torch.Tensor | None = None  # blend mode: new tokens overwrite these slots
+        self.slots: torch.Tensor | None = None  # blend mode: updates overwrite these slots, not append
         self.set_length(0)
 
     def set_length(self, length: int) -> None:
@@ -59,13 +59,11 @@ class Workspace:
     def capacity(self) -> int:
         return self.keys.shape[3]
 
-    def cache(self, length: int = 0, slots: torch.Tensor | None = None) -> Cache:
-        """A fresh cache over these buffers whose first `length` slots are already filled; with
-        `slots`, the next update writes there instead of appending (set `layer.slots = None` after)."""
+    def cache(self, length: int = 0) -> Cache:
+        """A fresh cache over these buffers whose first `length` slots are already filled."""
         layers = [BufferLayer(k, v) for k, v in zip(self.keys, self.values)]
         for layer in layers:
             layer.set_length(length)
-            layer.slots = slots
         return Cache(layers=layers)
 
 
