@@ -50,9 +50,7 @@ def recomputed(engine, prompt, config):
     ws = engine.pool.acquire(len(prompt) + 1)
     try:
         position, _, _ = engine._assemble(prompt, [engine.store.key("none", b) for b in prompt.blocks], ws)
-        first = len(prompt.prefix)
-        starts = [first + sum(map(len, prompt.blocks[:i])) for i in range(len(prompt.blocks))]
-        return prefill(engine.model, ws, prompt.ids(), first, position, starts, config)[1]
+        return prefill(engine.model, ws, prompt.ids(), len(prompt.prefix), position, prompt.block_starts(), config)[1]
     finally:
         engine.pool.release(ws)
 
@@ -84,7 +82,7 @@ def test_gradual_filtering_and_block_sinks(deep_engine, tok):
     engine = deep_engine("qwen2")
     prompt = random_prompt(len(tok))
     first = len(prompt.prefix)
-    starts = [first + sum(map(len, prompt.blocks[:i])) for i in range(len(prompt.blocks))]
+    starts = prompt.block_starts()
     candidates = sum(map(len, prompt.blocks))
     narrowed = recomputed(engine, prompt, BlendConfig(0.25, check_layers=(1, 2, 3), widen=3.0))
     assert len(narrowed) == round(0.25 * candidates) and narrowed.tolist() == sorted(set(narrowed.tolist()))

@@ -401,8 +401,7 @@ class KVEngine:
         """Block mode's cache, then the question with the passage tokens whose KV deviates most,
         recomputed in context over it (see blend.py)."""
         position, stored, hits = self._assemble(prompt, keys, ws)
-        first = len(prompt.prefix)
-        starts = [first + sum(map(len, prompt.blocks[:i])) for i in range(len(prompt.blocks))]
+        first, starts = len(prompt.prefix), prompt.block_starts()
         logits, recomputed = blend_lib.prefill(self.model, ws, prompt.ids(), first, position, starts, config, keep)
         cache = ws.cache(len(prompt))
         reused = int(stored.sum() - stored[recomputed.cpu()].sum())

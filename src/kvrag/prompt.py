@@ -11,6 +11,7 @@ same wherever a prompt puts it: first, in the middle, or last before a chat temp
 """
 
 import functools
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -48,6 +49,10 @@ class Prompt:
 
     def ids(self) -> list[int]:
         return self.prefix + [t for b in self.blocks for t in b] + self.question
+
+    def block_starts(self) -> list[int]:
+        """Where each block begins in `ids()`."""
+        return list(itertools.accumulate(map(len, self.blocks[:-1]), initial=len(self.prefix)))[: len(self.blocks)]
 
     def __len__(self) -> int:
         return len(self.prefix) + sum(map(len, self.blocks)) + len(self.question)
