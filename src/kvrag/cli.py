@@ -1,4 +1,4 @@
-"""Command line: kvrag index | ask | demo | bench ttft."""
+"""Command line: kvrag index | ask | demo | bench ttft | bench accuracy."""
 
 import argparse
 import hashlib
@@ -8,6 +8,7 @@ from importlib import resources
 from pathlib import Path
 
 from . import MODES
+from .evaluate import METHODS, RUNNERS
 from .errors import KVRagError
 
 
@@ -123,6 +124,26 @@ def cmd_bench(args):
     ttft_table(engine, lengths, args.runs)
 
 
+def cmd_bench_accuracy(args):
+    from . import data
+    from .evaluate import evaluate, format_table, plot, summarize
+
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    dataset = {"split": args.split, "passages": args.passages, "noise": args.noise, "seed": args.seed}
+    examples = data.generate(n=args.limit, **dataset)
+    results = Path(args.results) if args.results else _home(args) / "bench" / (
+        f"accuracy-{args.split}-{args.passages}p-noise{args.noise}-seed{args.seed}.jsonl"
+    )
+    engine = _engine(args)
+    records = evaluate(engine, examples, methods, max_new_tokens=args.max_new_tokens, results=results, dataset=dataset)
+    print(f"\n{len(examples)} {args.split} questions x {args.passages} passages (noise {args.noise}, seed {args.seed}); "
+          "accuracy (%) per question type: a gold answer appears in the output")
+    print(format_table(summarize(records)))
+    print(f"\nanswers: {results}")
+    if args.plot != "":
+        print(f"plot: {plot(records, args.plot or results.with_suffix('.png'))}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvrag", description=__doc__)
     parser.add_argument("--model", help="local model directory, GGUF file or cached hub id (default: SmolLM2-135M-Instruct)")
@@ -154,6 +175,17 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--lengths", default="0,512,1024,2048,4096,8000", help="context tokens before the question")
     b.add_argument("--runs", type=int, default=3)
     b.set_defaults(func=cmd_bench)
+    b = bench.add_parser("accuracy", help="accuracy and TTFT of every method on generated multi-document questions")
+    b.add_argument("--limit", type=int, default=200, help="number of questions")
+    b.add_argument("--split", choices=("train", "dev", "test"), default="test")
+    b.add_argument("--passages", type=int, default=10, help="passages per question (5-30)")
+    b.add_argument("--noise", type=float, default=0.5, help="share of distractors drawn from any entity; the rest are hard")
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated, from {', '.join(RUNNERS)}")
+    b.add_argument("--max-new-tokens", type=int, default=32)
+    b.add_argument("--results", help="JSON-lines file of answers; a rerun resumes it (default: under the cache directory)")
+    b.add_argument("--plot", help="PNG to write (default: next to the results; '' for none)")
+    b.set_defaults(func=cmd_bench_accuracy)
     return parser
 
 

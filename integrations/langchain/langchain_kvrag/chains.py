@@ -30,12 +30,12 @@ the indexed passages inside the text.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
 from kvrag import PromptFormat, rerank
+from kvrag.chains import MAP_NOTES_SYSTEM, join_notes
 from kvrag.rerank import MAP_RERANK_SYSTEM, best_answer, parse_scored_answer
 from langchain_core.documents import Document
 from langchain_core.language_models import BaseLanguageModel
@@ -77,16 +77,7 @@ generic system prompt and the default model answers noticeably worse."""
 STUFF_PROMPT = ChatPromptTemplate.from_messages([("system", SYSTEM), ("human", "{context}\n\n{question}")])
 """Variables: ``context`` (the passages joined), ``question``."""
 
-MAP_PROMPT = ChatPromptTemplate.from_messages(
-    [
-        (
-            "system",
-            "You take notes for a question. Copy the facts from the passage in the user's message that help "
-            "answer the question, in one or two short sentences. If nothing in it helps, write: nothing relevant.",
-        ),
-        ("human", "{passage}\n\n{question}"),
-    ]
-)
+MAP_PROMPT = ChatPromptTemplate.from_messages([("system", MAP_NOTES_SYSTEM), ("human", "{passage}\n\n{question}")])
 """Variables: ``passage`` (one passage), ``question``."""
 
 REDUCE_PROMPT = ChatPromptTemplate.from_messages([("system", SYSTEM), ("human", "{notes}\n\n{question}")])
@@ -225,12 +216,8 @@ def stuff_chain(
 
 # ---- map-reduce -----------------------------------------------------------------------------------
 
-_NOTHING = re.compile(r"^\W*(?:nothing relevant|none|n/a)\W*$", re.IGNORECASE)
-
-
 def _notes(state: dict) -> dict:
-    notes = [n for n in state["notes"] if n.strip() and not _NOTHING.match(n)]
-    return {"notes": "\n\n".join(n.strip() for n in notes), "question": state["question"]}
+    return {"notes": join_notes(state["notes"]), "question": state["question"]}
 
 
 def map_reduce_chain(

@@ -98,6 +98,24 @@ def test_map_rerank_answers_every_passage_and_keeps_the_best(llms, institutions)
     assert "1742" in result["answer"]
 
 
+def test_core_chains_answer_as_the_langchain_chains_do(engine, llms, institutions):
+    """kvrag.chains (what `kvrag bench accuracy` runs) sends the same messages as these chains on
+    ChatKVRag(mode="full"): same notes, replies and answers."""
+    from kvrag import chains
+
+    passages = [d.page_content for d in institutions]
+    ours = chains.map_reduce(engine, KEEPER, passages, max_new_tokens=40, note_tokens=40)
+    theirs = ask(llms["full"], "map_reduce", KEEPER, institutions)
+    assert [c.text for c in ours.calls[:-1]] == theirs["notes"]
+    assert ours.text == theirs["answer"]
+    assert ours.calls[-1].prompt_tokens == theirs["message"].usage_metadata["input_tokens"]
+    ours = chains.map_rerank(engine, ACADEMY, passages, max_new_tokens=40)
+    theirs = ask(llms["full"], "map_rerank", ACADEMY, institutions)
+    assert [c.raw for c in ours.candidates] == [c.raw for c in theirs["candidates"]]
+    assert ours.text == theirs["answer"]
+    assert ours.ttft == ours.total_time >= sum(c.total_time for c in ours.calls)
+
+
 def test_chains_retrieve_from_a_kvrag_vector_store(engine, institutions, tmp_path):
     from langchain_kvrag.vectorstores import KVRagVectorStore
 

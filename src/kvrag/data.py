@@ -1,0 +1,364 @@
+"""A deterministic multi-document QA set about fictional people, companies, cities and works.
+
+No real multi-document QA set with passages can be downloaded offline, and a real one would let
+the model answer from memory. Here every fact is invented, so the passages are the only source.
+Each entity gets one passage of 60-200 tokens: its facts in varied sentences and some colour that
+states nothing. A question comes with its gold passages (one or two) and distractors, shuffled:
+
+* ``single`` - one fact of one entity ("In which city was Ravel Osk born?");
+* ``bridge`` - two hops: a fact of the entity that another entity's passage names ("In which
+  country was Ravel Osk born?" needs her passage for the city and the city's for the country);
+* ``comparison`` - two entities' facts compared ("Who was born earlier, A or B?");
+* ``unanswerable`` - a fact the subject's passage leaves out, and no passage states.
+
+Every answer appears in a gold passage and in no distractor; the value behind an unanswerable
+question appears in no passage at all. The train, dev and test splits are separate worlds whose
+names come from disjoint parts of one pool, so no entity is shared.
+"""
+
+import itertools
+import random
+from dataclasses import dataclass
+
+SPLITS = ("train", "dev", "test")
+QUESTION_TYPES = ("single", "bridge", "comparison", "unanswerable")
+REFUSALS = (
+    "unanswerable",
+    "do not say",
+    "does not say",
+    "don't say",
+    "doesn't say",
+    "not mentioned",
+    "not stated",
+    "not specified",
+    "not provided",
+    "not given",
+    "no information",
+    "not know",
+    "don't know",
+    "cannot be determined",
+    "unknown",
+)
+"""Phrases that count as declining to answer: the gold answers of an unanswerable question."""
+
+UNANSWERABLE_TARGET = "The passages do not say."
+
+_SCALE = {"train": 4, "dev": 1, "test": 1}  # world size per split, in units of _UNIT
+_UNIT = {"person": 48, "company": 24, "city": 20, "work": 24, "country": 6, "river": 20}
+
+_ONSETS = ["b", "d", "f", "g", "k", "l", "m", "n", "p", "r", "s", "t", "v", "z", "br", "dr", "gr", "kr", "st", "th", "tr", "sh"]
+_VOWELS = ["a", "e", "i", "o", "u", "a", "e", "o", "ai", "ou"]
+_CODAS = ["", "", "", "", "n", "r", "l", "s", "m"]
+
+OCCUPATIONS = ["glassblower", "cartographer", "botanist", "clockmaker", "architect", "violinist", "surveyor",
+               "bookbinder", "chemist", "ferry pilot", "weaver", "astronomer", "stonemason", "translator"]
+PRODUCTS = ["telescopes", "ferries", "paper", "bicycles", "pianos", "lamps", "ceramics", "maps", "rope",
+            "clocks", "textiles", "radios"]
+WORK_KINDS = ["novel", "film", "opera", "play", "symphony", "poem cycle"]
+WORK_NOUNS = ["Letters", "Harbour", "Winter", "Lantern", "Orchard", "Crossing", "Bell", "Archive", "Tide",
+              "Garden", "Mirror", "Road"]
+
+
+@dataclass(frozen=True)
+class QAExample:
+    """One question with its passages. ``gold`` indexes the passages that answer it (for an
+    unanswerable one: the subject's passage, which leaves the fact out). ``answers`` are the gold
+    answers; ``wrong`` the other candidate of a comparison; ``target`` a short natural answer."""
+
+    id: str
+    split: str
+    type: str
+    question: str
+    answers: tuple[str, ...]
+    target: str
+    passages: tuple[str, ...]
+    gold: tuple[int, ...]
+    wrong: tuple[str, ...] = ()
+
+
+@dataclass
+class _Entity:
+    kind: str
+    name: str
+    facts: dict
+    withheld: str | None = None
+    passage: str = ""
+
+
+# ---- names ------------------------------------------------------------------------------------------
+
+
+def _word(rng: random.Random) -> str:
+    return "".join(rng.choice(_ONSETS) + rng.choice(_VOWELS) + rng.choice(_CODAS) for _ in range(2)).capitalize()
+
+
+def _name_pools(seed: int) -> dict[str, list[str]]:
+    """Unique invented words for every split; none is part of another, so a name never matches
+    inside a different one."""
+    rng = random.Random(f"kvrag-data-names:{seed}")
+    per_unit = sum(_UNIT.values()) + _UNIT["person"]  # people take two words
+    need = {split: per_unit * _SCALE[split] for split in SPLITS}
+    words, seen, joined = [], set(), ""
+    while len(words) < sum(need.values()):
+        w = _word(rng).lower()
+        parts = {w[i:j] for i in range(len(w)) for j in range(i + 5, len(w) + 1)}
+        if not 5 <= len(w) <= 9 or w in joined or parts & seen:
+            continue
+        seen.add(w)
+        joined += "|" + w
+        words.append(w.capitalize())
+    pools, start = {}, 0
+    for split in SPLITS:
+        pools[split], start = words[start : start + need[split]], start + need[split]
+    return pools
+
+
+# ---- the world ----------------------------------------------------------------------------------------
+
+
+def _build_world(split: str, seed: int) -> list[_Entity]:
+    rng = random.Random(f"kvrag-data-world:{seed}:{split}")
+    words = iter(_name_pools(seed)[split])
+    size = {kind: n * _SCALE[split] for kind, n in _UNIT.items()}
+    countries = [next(words) for _ in range(size["country"])]
+    rivers = [f"{next(words)} River" for _ in range(size["river"])]
+    cities = [
+        _Entity("city", next(words), {"country": rng.choice(countries), "river": rivers[i % len(rivers)],
+                                      "population": f"{rng.randrange(12, 900)},{rng.randrange(100, 1000)}"})
+        for i in range(size["city"])
+    ]
+    companies = [_Entity("company", f"{next(words)} {rng.choice(['Works', 'Company', 'Brothers', 'Industries'])}", {})
+                 for _ in range(size["company"])]
+    people = [_Entity("person", f"{next(words)} {next(words)}", {}) for _ in range(size["person"])]
+    works = [_Entity("work", f"The {next(words)} {rng.choice(WORK_NOUNS)}", {}) for _ in range(size["work"])]
+    for p in people:
+        p.facts = {"born": str(rng.randrange(1880, 1990)), "birthplace": rng.choice(cities).name, "occupation": rng.choice(OCCUPATIONS),
+                   "employer": rng.choice(companies).name}
+    for c in companies:
+        c.facts = {"founded": str(rng.randrange(1780, 1980)), "headquarters": rng.choice(cities).name, "founder": rng.choice(people).name,
+                   "product": rng.choice(PRODUCTS)}
+    for w in works:
+        w.facts = {"creator": rng.choice(people).name, "year": str(rng.randrange(1900, 2020)), "setting": rng.choice(cities).name,
+                   "kind": rng.choice(WORK_KINDS)}
+    entities = people + companies + cities + works
+    for e in entities:
+        if rng.random() < 0.5:  # half the entities leave one fact out: the unanswerable questions' subjects
+            e.withheld = rng.choice([a for a in e.facts if (e.kind, a) in _SINGLE])
+        e.passage = _render(e, rng)
+    return entities
+
+
+# ---- passages -------------------------------------------------------------------------------------------
+
+_FACT_SENTENCES = {
+    ("person", "born"): ["{name} was born in {v}.", "Records give {v} as the year of {short}'s birth.",
+                         "{short} came into the world in {v}."],
+    ("person", "birthplace"): ["{short} was born in the city of {v}.", "{name} grew up in {v}, the city of {their} birth.",
+                               "{v} is the city where {short} was born."],
+    ("person", "occupation"): ["{name} works as a {v}.", "By trade, {short} is a {v}.",
+                               "{short} has made a living as a {v} for most of {their} life."],
+    ("person", "employer"): ["{short} is employed by {v}.", "For many years {short} has worked for {v}.",
+                             "{name}'s employer is {v}."],
+    ("company", "founded"): ["{name} was founded in {v}.", "The firm dates from {v}, the year it was founded.",
+                             "{name} opened its doors in {v}."],
+    ("company", "headquarters"): ["Its headquarters are in {v}.", "{name} is based in the city of {v}.",
+                                  "The company keeps its head office in {v}."],
+    ("company", "founder"): ["It was founded by {v}.", "{v} founded the company.", "The founder of {name} is {v}."],
+    ("company", "product"): ["{name} makes {v}.", "The company is best known for its {v}.", "Its workshops produce {v}."],
+    ("city", "country"): ["{name} is a city in {v}.", "{name} lies in the country of {v}.", "The city belongs to {v}."],
+    ("city", "river"): ["The {v} flows through {name}.", "{name} stands on the banks of the {v}.",
+                        "The {v} runs through the middle of the city."],
+    ("city", "population"): ["{name} has a population of {v}.", "About {v} people live in {name}.",
+                             "The city is home to {v} inhabitants."],
+    ("work", "creator"): ["It was created by {v}.", "{v} is the author of {name}.", "{name} is the work of {v}."],
+    ("work", "year"): ["{name} first appeared in {v}.", "It was first presented to the public in {v}.",
+                       "{name} came out in {v}."],
+    ("work", "setting"): ["The story is set in the city of {v}.", "{name} takes place in {v}.", "Its setting is the city of {v}."],
+    ("work", "kind"): ["{name} is a {v}.", "The work is a {v}."],
+}
+
+_INTROS = {
+    "person": ["This entry is about {name}.", "{name} is mentioned in several regional records.",
+               "The following notes concern {name}."],
+    "company": ["This entry is about {name}.", "{name} is a business with a long history.",
+                "The following notes concern the firm {name}."],
+    "city": ["This entry is about {name}.", "{name} is a city with a busy market.", "The following notes concern {name}."],
+    "work": ["This entry is about {name}.", "{name} is often discussed by critics.", "The following notes concern {name}."],
+}
+
+_COLOUR = {
+    "person": ["Colleagues describe {short} as patient and exacting.", "{short} keeps detailed notebooks and rarely throws one away.",
+               "Friends say {short} enjoys long walks on quiet evenings.", "{short} once said that good work takes time.",
+               "In interviews {short} speaks modestly about {their} achievements.",
+               "{short} has given talks to students on several occasions.",
+               "Neighbours remember {short} as generous with advice."],
+    "company": ["The company has changed its logo several times.", "Its workshops are known for careful craftsmanship.",
+                "The firm publishes a small catalogue every spring.", "Apprentices train there for three years.",
+                "The company survived more than one difficult decade.", "Its staff hold an annual dinner in the winter."],
+    "city": ["The old town has narrow streets and a covered market.", "Visitors often remark on its many bridges.",
+             "A festival of lanterns is held there every autumn.", "The city library is housed in a former customs hall.",
+             "Its tram network was extended several times.", "Local bakers are proud of a sweet bread with seeds."],
+    "work": ["Critics praised its careful structure.", "Some readers found the ending surprising.",
+             "It has been translated and adapted several times.", "Its opening is often quoted.",
+             "The work was revised before a later edition.", "Audiences responded warmly to its humour."],
+}
+
+
+def _render(e: _Entity, rng: random.Random) -> str:
+    short = e.name.split()[-1] if e.kind == "person" else e.name
+    fill = {"name": e.name, "short": short, "their": "their"}
+    facts = [a for a in e.facts if a != e.withheld]
+    rng.shuffle(facts)
+    sentences = [rng.choice(_INTROS[e.kind]).format(**fill)]
+    sentences += [rng.choice(_FACT_SENTENCES[(e.kind, a)]).format(v=e.facts[a], **fill) for a in facts]
+    colour = rng.sample(_COLOUR[e.kind], rng.randrange(3, 6))
+    for sentence in colour:  # colour between the facts, not only after them
+        sentences.insert(rng.randrange(1, len(sentences) + 1), sentence.format(**fill))
+    return " ".join(sentences)
+
+
+# ---- questions -----------------------------------------------------------------------------------------
+
+# (kind, attribute) -> (question, target sentence)
+_SINGLE = {
+    ("person", "born"): ("In what year was {name} born?", "{name} was born in {v}."),
+    ("person", "birthplace"): ("In which city was {name} born?", "{name} was born in {v}."),
+    ("person", "occupation"): ("What is {name}'s occupation?", "{name} is a {v}."),
+    ("person", "employer"): ("Which company does {name} work for?", "{name} works for {v}."),
+    ("company", "founded"): ("In what year was {name} founded?", "{name} was founded in {v}."),
+    ("company", "headquarters"): ("In which city is {name} based?", "{name} is based in {v}."),
+    ("company", "founder"): ("Who founded {name}?", "{name} was founded by {v}."),
+    ("company", "product"): ("What does {name} make?", "{name} makes {v}."),
+    ("city", "country"): ("In which country is {name}?", "{name} is in {v}."),
+    ("city", "river"): ("Which river flows through {name}?", "The {v} flows through {name}."),
+    ("city", "population"): ("How many people live in {name}?", "About {v} people live in {name}."),
+    ("work", "creator"): ("Who created {name}?", "{name} was created by {v}."),
+    ("work", "year"): ("In what year did {name} first appear?", "{name} first appeared in {v}."),
+    ("work", "setting"): ("In which city is {name} set?", "{name} is set in {v}."),
+}
+
+# (kind, link attribute, target attribute) -> (question, target sentence); {mid} is the linked entity
+_BRIDGE = {
+    ("person", "birthplace", "country"): ("In which country was {name} born?", "{name} was born in {mid}, which is in {v}."),
+    ("person", "birthplace", "river"): ("Which river flows through the city where {name} was born?",
+                                        "{name} was born in {mid}, where the {v} flows."),
+    ("person", "employer", "headquarters"): ("In which city is the company that {name} works for based?",
+                                             "{name} works for {mid}, which is based in {v}."),
+    ("person", "employer", "founded"): ("In what year was the company that {name} works for founded?",
+                                        "{name} works for {mid}, founded in {v}."),
+    ("company", "founder", "birthplace"): ("In which city was the founder of {name} born?",
+                                           "{name} was founded by {mid}, who was born in {v}."),
+    ("company", "founder", "born"): ("In what year was the founder of {name} born?",
+                                     "{name} was founded by {mid}, who was born in {v}."),
+    ("company", "headquarters", "country"): ("In which country is {name} based?", "{name} is based in {mid}, in {v}."),
+    ("work", "creator", "birthplace"): ("In which city was the creator of {name} born?",
+                                        "{name} was created by {mid}, who was born in {v}."),
+    ("work", "creator", "employer"): ("Which company employs the creator of {name}?",
+                                      "{name} was created by {mid}, who works for {v}."),
+    ("work", "setting", "river"): ("Which river flows through the city where {name} is set?",
+                                   "{name} is set in {mid}, where the {v} flows."),
+}
+
+# kind -> (attribute, question, target sentence); the smaller value wins unless "more" is in the question
+_COMPARISON = {
+    "person": ("born", "Who was born earlier, {a} or {b}?", "{v} was born earlier."),
+    "company": ("founded", "Which company was founded earlier, {a} or {b}?", "{v} was founded earlier."),
+    "city": ("population", "Which city has more inhabitants, {a} or {b}?", "{v} has more inhabitants."),
+    "work": ("year", "Which appeared first, {a} or {b}?", "{v} appeared first."),
+}
+
+
+def _stated(e: _Entity, attribute: str) -> bool:
+    return attribute in e.facts and attribute != e.withheld
+
+
+def _candidates(world: list[_Entity]) -> dict[str, list[dict]]:
+    """Every question the world allows, by type: text, answers, gold entities and what must stay out of
+    the distractors."""
+    by_name = {e.name: e for e in world}
+    out = {t: [] for t in QUESTION_TYPES}
+    for e in world:
+        for (kind, attr), (question, target) in _SINGLE.items():
+            if kind != e.kind:
+                continue
+            v = e.facts[attr]
+            if _stated(e, attr):
+                out["single"].append(dict(question=question.format(name=e.name), answers=(v,),
+                                          target=target.format(name=e.name, v=v), gold=(e,), absent=(v,)))
+            elif v.lower() not in e.passage.lower():
+                out["unanswerable"].append(dict(question=question.format(name=e.name), answers=REFUSALS,
+                                                target=UNANSWERABLE_TARGET, gold=(e,), absent=(v,)))
+        for (kind, link, attr), (question, target) in _BRIDGE.items():
+            if kind != e.kind or not _stated(e, link):
+                continue
+            mid = by_name[e.facts[link]]
+            if not _stated(mid, attr):
+                continue
+            v = mid.facts[attr]
+            out["bridge"].append(dict(question=question.format(name=e.name), answers=(v,),
+                                      target=target.format(name=e.name, mid=mid.name, v=v), gold=(e, mid), absent=(v,)))
+    for kind, (attr, question, target) in _COMPARISON.items():
+        group = [e for e in world if e.kind == kind and _stated(e, attr)]
+        for a, b in itertools.combinations(group, 2):
+            value = lambda x: int(x.facts[attr].replace(",", ""))  # noqa: E731
+            if value(a) == value(b):
+                continue
+            more = "more" in question
+            win, lose = (a, b) if (value(a) > value(b)) == more else (b, a)
+            out["comparison"].append(dict(question=question.format(a=a.name, b=b.name), answers=(win.name,),
+                                          target=target.format(v=win.name), gold=(a, b), absent=(win.name,),
+                                          wrong=(lose.name,)))
+    return out
+
+
+def generate(split: str = "test", n: int = 200, passages: int = 10, noise: float = 0.5, seed: int = 0) -> list[QAExample]:
+    """`n` questions of the split, the four types in turn, each with `passages` passages (5-30).
+
+    The distractors are passages that do not contain the answer; a share `noise` of them is drawn
+    from the whole world, the rest are hard distractors: passages about entities of the same kind
+    as the one asked about, which state the same kinds of facts. Same arguments, same questions.
+    """
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+    if not 5 <= passages <= 30:
+        raise ValueError(f"passages must be between 5 and 30, got {passages}")
+    if not 0.0 <= noise <= 1.0:
+        raise ValueError(f"noise must be between 0 and 1, got {noise}")
+    if n < 1:
+        raise ValueError(f"n must be >= 1, got {n}")
+    world = _build_world(split, seed)
+    rng = random.Random(f"kvrag-data-questions:{seed}:{split}:{passages}:{noise}")
+    pools = _candidates(world)
+    for pool in pools.values():
+        rng.shuffle(pool)
+    examples = []
+    for i in range(n):
+        kind = QUESTION_TYPES[i % len(QUESTION_TYPES)]
+        pool = pools[kind]
+        c = pool[(i // len(QUESTION_TYPES)) % len(pool)]
+        examples.append(_example(f"{split}-{i}", split, kind, c, world, passages, noise, rng))
+    return examples
+
+
+def _example(qid, split, kind, c, world, k, noise, rng) -> QAExample:
+    gold = list(c["gold"])
+    clean = [e for e in world if e not in gold and not any(v.lower() in e.passage.lower() for v in c["absent"])]
+    hard = [e for e in clean if e.kind == gold[0].kind]
+    n_distract = k - len(gold)
+    n_hard = min(len(hard), round(n_distract * (1 - noise)))
+    chosen = rng.sample(hard, n_hard)
+    rest = [e for e in clean if e not in chosen]
+    chosen += rng.sample(rest, n_distract - n_hard)
+    entities = gold + chosen
+    rng.shuffle(entities)
+    return QAExample(
+        id=qid,
+        split=split,
+        type=kind,
+        question=c["question"],
+        answers=tuple(c["answers"]),
+        target=c["target"],
+        passages=tuple(e.passage for e in entities),
+        gold=tuple(sorted(entities.index(g) for g in gold)),
+        wrong=tuple(c.get("wrong", ())),
+    )

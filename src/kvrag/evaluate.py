@@ -1,0 +1,249 @@
+"""Accuracy against time to first token: every method answers the same questions from the same passages.
+
+Block-Attention's Table 1 set-up on the generated multi-document QA set (see data.py): per method,
+accuracy per question type and on average, token F1, median TTFT and total time, and FLOPs to
+first token. All passages are indexed before timing starts, as an application indexes its
+documents ahead of the questions. Methods run in a rotating order per question, so a noisy
+machine slows them alike. Results go to a JSON-lines file one answer at a time, so an interrupted
+run resumes where it stopped.
+"""
+
+import json
+import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from tqdm.auto import tqdm
+
+from . import chains
+from .bench import flops_blend, flops_to_first_token, layer_flops
+from .blend import BlendConfig
+from .data import QUESTION_TYPES, QAExample
+from .errors import KVRagError
+from .metrics import answer_in_output, token_f1
+
+METHODS = ("full", "map_reduce", "map_rerank", "block", "blend", "composite")
+"""What `evaluate` runs by default; `EXTRA_METHODS` can be asked for by name."""
+EXTRA_METHODS = ("prefix", "blend_values")
+
+
+@dataclass
+class Record:
+    """One method's answer to one question."""
+
+    method: str
+    id: str
+    type: str
+    question: str
+    output: str
+    correct: bool
+    f1: float
+    ttft: float
+    total_time: float
+    flops: float
+    prompt_tokens: int
+
+
+@dataclass
+class Answer:
+    text: str
+    ttft: float
+    total_time: float
+    flops: float
+    prompt_tokens: int
+
+
+def flops_generation(config, prompt_tokens: int, generated: int) -> float:
+    """FLOPs of a full-prefill call that then decodes `generated` tokens (each fed back but the last)."""
+    decode = sum(layer_flops(config, 1, prompt_tokens + j + 1) for j in range(max(generated - 1, 0)))
+    return flops_to_first_token(config, prompt_tokens, 0) + config.num_hidden_layers * decode
+
+
+def _mode(mode: str, blend: BlendConfig | None = None) -> Callable:
+    def run(engine, example: QAExample, max_new_tokens: int) -> Answer:
+        r = engine.generate(example.question, list(example.passages), mode=mode, max_new_tokens=max_new_tokens, blend=blend)
+        config = engine.model.config
+        if mode == "blend":
+            question = len(engine.layout.question_ids(example.question))
+            context = r.prompt_tokens - question
+            flops = flops_blend(config, context, question, r.prefilled_tokens - question)
+        else:
+            flops = flops_to_first_token(config, r.prefilled_tokens, r.prompt_tokens - r.prefilled_tokens)
+        return Answer(r.text.strip(), r.ttft, r.total_time, flops, r.prompt_tokens)
+
+    return run
+
+
+def _map_reduce(engine, example: QAExample, max_new_tokens: int) -> Answer:
+    r = chains.map_reduce(engine, example.question, example.passages, max_new_tokens=max_new_tokens, note_tokens=max_new_tokens)
+    config = engine.model.config
+    *notes, final = r.calls
+    flops = sum(flops_generation(config, c.prompt_tokens, c.generated_tokens) for c in notes)
+    flops += flops_to_first_token(config, final.prompt_tokens, 0)
+    return Answer(r.text, r.ttft, r.total_time, flops, sum(c.prompt_tokens for c in r.calls))
+
+
+def _map_rerank(engine, example: QAExample, max_new_tokens: int) -> Answer:
+    r = chains.map_rerank(engine, example.question, example.passages, max_new_tokens=max_new_tokens)
+    config = engine.model.config
+    flops = sum(flops_generation(config, c.prompt_tokens, c.generated_tokens) for c in r.calls)
+    return Answer(r.text, r.ttft, r.total_time, flops, sum(c.prompt_tokens for c in r.calls))
+
+
+RUNNERS: dict[str, Callable] = {
+    "full": _mode("full"),
+    "map_reduce": _map_reduce,
+    "map_rerank": _map_rerank,
+    "block": _mode("block"),
+    "blend": _mode("blend"),
+    "composite": _mode("composite"),
+    "prefix": _mode("prefix"),
+    "blend_values": _mode("blend", BlendConfig(deviation="values")),
+}
+
+
+def _settings(engine, max_new_tokens: int, dataset: dict | None) -> dict:
+    settings = {"model": engine.fingerprint, "blend": asdict(engine.blend), "max_new_tokens": max_new_tokens,
+                "dataset": dataset or {}}
+    return json.loads(json.dumps(settings))  # as read back from the file: tuples become lists
+
+
+def _load(path: Path, settings: dict) -> dict[tuple[str, str], Record]:
+    """Records already in `path`, written with the same settings; a half-written last line is dropped."""
+    if not path.exists() or path.stat().st_size == 0:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"settings": settings}) + "\n")
+        return {}
+    lines = path.read_text(encoding="utf-8").splitlines()
+    try:
+        found = json.loads(lines[0])["settings"]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise KVRagError(f"{path} is not a kvrag results file (its first line holds no settings)") from exc
+    if found != settings:
+        differ = sorted(k for k in settings.keys() | found.keys() if settings.get(k) != found.get(k))
+        raise KVRagError(f"{path} holds results of another set-up (differs in: {', '.join(differ)}); use another results file")
+    done = {}
+    for n, line in enumerate(lines[1:], start=2):
+        try:
+            record = Record(**json.loads(line))
+        except (ValueError, TypeError):
+            if n < len(lines):
+                raise KVRagError(f"{path}:{n} is not a result record") from None
+            path.write_text("\n".join(lines[:-1]) + "\n")  # interrupted while writing: run that answer again
+            break
+        done[record.method, record.id] = record
+    return done
+
+
+def evaluate(
+    engine,
+    examples: Sequence[QAExample],
+    methods: Sequence[str] = METHODS,
+    *,
+    max_new_tokens: int = 32,
+    results: str | Path | None = None,
+    dataset: dict | None = None,
+    progress: bool = True,
+) -> list[Record]:
+    """Every method's answer to every example, grouped by method. `results`, a JSON-lines file, keeps
+    them across runs: a later run with the same model, settings and `dataset` description (how the
+    examples were made) only computes what is missing."""
+    unknown = [m for m in methods if m not in RUNNERS]
+    if unknown:
+        raise ValueError(f"unknown method(s) {unknown}; choose from {tuple(RUNNERS)}")
+    settings = _settings(engine, max_new_tokens, dataset)
+    path = Path(results) if results else None
+    done = _load(path, settings) if path else {}
+    engine.index(sorted({p for e in examples for p in e.passages}), progress=progress)
+    if examples:  # warm-up: buffers and allocator, outside the timings
+        engine.generate(examples[0].question, list(examples[0].passages), mode="block", max_new_tokens=2)
+    bar = tqdm(total=len(examples) * len(methods), desc="kvrag: answering", unit="answer", disable=not progress)
+    records = []
+    for i, example in enumerate(examples):
+        order = [methods[(i + j) % len(methods)] for j in range(len(methods))]
+        for method in order:
+            record = done.get((method, example.id))
+            if record is not None and record.question != example.question:
+                raise KVRagError(f"{path} answers other questions under the same ids ({example.id}); use another results file")
+            if record is None:
+                a = RUNNERS[method](engine, example, max_new_tokens)
+                correct = answer_in_output(a.text, example.answers, example.wrong)
+                record = Record(method, example.id, example.type, example.question, a.text, correct, token_f1(a.text, example.answers),
+                                a.ttft, a.total_time, a.flops, a.prompt_tokens)
+                if path:
+                    with path.open("a", encoding="utf-8") as f:
+                        f.write(json.dumps(asdict(record)) + "\n")
+            records.append(record)
+            bar.update()
+    bar.close()
+    order = {m: k for k, m in enumerate(methods)}
+    return sorted(records, key=lambda r: order[r.method])
+
+
+def summarize(records: Sequence[Record]) -> list[dict]:
+    """A row per method (in first-seen order): accuracy per question type and on average, F1, median
+    TTFT and total time, mean FLOPs to first token, and the TTFT speed-up over `full` where it ran."""
+    by_method: dict[str, list[Record]] = {}
+    for r in records:
+        by_method.setdefault(r.method, []).append(r)
+    rows = []
+    for method, rs in by_method.items():
+        row = {"method": method, "questions": len(rs)}
+        for kind in QUESTION_TYPES:
+            of_kind = [r.correct for r in rs if r.type == kind]
+            row[kind] = sum(of_kind) / len(of_kind) if of_kind else None
+        row["accuracy"] = sum(r.correct for r in rs) / len(rs)
+        row["f1"] = statistics.fmean(r.f1 for r in rs)
+        row["ttft"] = statistics.median(r.ttft for r in rs)
+        row["total_time"] = statistics.median(r.total_time for r in rs)
+        row["flops"] = statistics.fmean(r.flops for r in rs)
+        rows.append(row)
+    full = next((row["ttft"] for row in rows if row["method"] == "full"), None)
+    for row in rows:
+        row["speedup"] = full / row["ttft"] if full else None
+    return rows
+
+
+def format_table(rows: Sequence[dict]) -> str:
+    """The summary as a Markdown table (accuracy in %, TTFT in ms)."""
+    pct = lambda v: "-" if v is None else f"{100 * v:.1f}"  # noqa: E731
+    head = ["method", "n", *QUESTION_TYPES, "average", "F1", "TTFT ms", "total s", "TTFT vs full", "GFLOPs to 1st token"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for row in rows:
+        cells = [row["method"], str(row["questions"]), *(pct(row[k]) for k in QUESTION_TYPES), pct(row["accuracy"]),
+                 pct(row["f1"]), f"{row['ttft'] * 1e3:.0f}", f"{row['total_time']:.2f}",
+                 "-" if row["speedup"] is None else f"{row['speedup']:.1f}x", f"{row['flops'] / 1e9:.1f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot(records: Sequence[Record], path: str | Path) -> Path:
+    """A PNG with accuracy against median TTFT (a point per method) and TTFT against prompt length."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        raise KVRagError("plots need matplotlib: pip install 'kvrag[bench]'") from exc
+    rows = summarize(records)
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.8))
+    for row in rows:
+        left.scatter(row["ttft"] * 1e3, 100 * row["accuracy"], s=50)
+        left.annotate(row["method"], (row["ttft"] * 1e3, 100 * row["accuracy"]), textcoords="offset points", xytext=(6, 4))
+        own = [r for r in records if r.method == row["method"]]
+        right.scatter([r.prompt_tokens for r in own], [r.ttft * 1e3 for r in own], s=8, alpha=0.6, label=row["method"])
+    left.set(xscale="log", xlabel="median time to first token (ms, log)", ylabel="accuracy (%)",
+             title="Accuracy against time to first token")
+    right.set(xscale="log", yscale="log", xlabel="prompt tokens the method reads (log)", ylabel="TTFT (ms, log)",
+              title="Time to first token against prompt length")
+    right.legend(fontsize=8)
+    for ax in (left, right):
+        ax.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

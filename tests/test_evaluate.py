@@ -1,0 +1,143 @@
+"""The accuracy benchmark: records, resuming, summary table, plot, FLOPs, the core MapReduce/MapRerank,
+and a smoke run of `kvrag bench accuracy` on the real default model."""
+
+import json
+from dataclasses import replace
+
+import pytest
+from kvrag import chains, data
+from kvrag.bench import flops_to_first_token, layer_flops
+from kvrag.cli import main
+from kvrag.errors import KVRagError
+from kvrag.evaluate import METHODS, RUNNERS, Record, evaluate, flops_generation, format_table, plot, summarize
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture
+def engine(make_engine):
+    return make_engine("llama")
+
+
+@pytest.fixture(scope="module")
+def examples():
+    """Generated questions, their passages cut to fit the tiny models' context window."""
+    return [replace(e, passages=tuple(p[:150] for p in e.passages)) for e in data.generate("dev", 4, passages=5)]
+
+
+def test_every_method_answers_every_question(engine, examples, tmp_path):
+    records = evaluate(engine, examples, METHODS, max_new_tokens=3, results=tmp_path / "r.jsonl", progress=False)
+    assert [(r.method, r.id) for r in records] == [(m, e.id) for m in METHODS for e in examples]
+    for r in records:
+        assert r.ttft > 0 and r.total_time >= r.ttft and r.flops > 0 and 0 <= r.f1 <= 1
+    by = {(r.method, r.id): r for r in records}
+    for e in examples:
+        # what each method reads: the whole prompt once, or every passage in a call of its own
+        assert by["block", e.id].prompt_tokens == by["full", e.id].prompt_tokens
+        assert by["map_rerank", e.id].prompt_tokens > by["full", e.id].prompt_tokens
+        assert by["block", e.id].flops < by["blend", e.id].flops < by["full", e.id].flops < by["map_rerank", e.id].flops
+
+
+def test_a_rerun_resumes_and_computes_only_what_is_missing(engine, examples, tmp_path, monkeypatch):
+    path = tmp_path / "r.jsonl"
+    first = evaluate(engine, examples[:2], ["full", "block"], max_new_tokens=2, results=path, progress=False)
+    lines = path.read_text().splitlines()
+    assert len(lines) == 1 + 4 and "settings" in json.loads(lines[0])
+    last = json.loads(lines[-1])
+    path.write_text("\n".join(lines[:-1]) + "\n" + lines[-1][:20])  # interrupted while writing the last one
+    ran = []
+    for name in ("full", "block"):
+        real = RUNNERS[name]
+        monkeypatch.setitem(RUNNERS, name, lambda eng, ex, n, name=name, real=real: ran.append((name, ex.id)) or real(eng, ex, n))
+    again = evaluate(engine, examples[:3], ["full", "block"], max_new_tokens=2, results=path, progress=False)
+    assert sorted(ran) == sorted([(last["method"], last["id"]), ("full", examples[2].id), ("block", examples[2].id)])
+    kept = lambda records: [r for r in records if r.id != examples[2].id and (r.method, r.id) != (last["method"], last["id"])]  # noqa: E731
+    assert kept(again) == kept(first) and len(kept(first)) == 3
+    assert len(path.read_text().splitlines()) == 1 + 6
+
+
+def test_results_of_another_set_up_are_refused(engine, examples, tmp_path):
+    path = tmp_path / "r.jsonl"
+    evaluate(engine, examples[:1], ["block"], max_new_tokens=2, results=path, progress=False, dataset={"seed": 0})
+    with pytest.raises(KVRagError, match="differs in: dataset"):
+        evaluate(engine, examples[:1], ["block"], max_new_tokens=2, results=path, progress=False, dataset={"seed": 1})
+    with pytest.raises(KVRagError, match="differs in: max_new_tokens"):
+        evaluate(engine, examples[:1], ["block"], max_new_tokens=3, results=path, progress=False, dataset={"seed": 0})
+    other = [replace(examples[0], question="Who else?")]
+    with pytest.raises(KVRagError, match="other questions under the same ids"):
+        evaluate(engine, other, ["block"], max_new_tokens=2, results=path, progress=False, dataset={"seed": 0})
+    (tmp_path / "bad.jsonl").write_text("not json\n")
+    with pytest.raises(KVRagError, match="not a kvrag results file"):
+        evaluate(engine, examples[:1], ["block"], results=tmp_path / "bad.jsonl", progress=False)
+    with pytest.raises(ValueError, match="unknown method"):
+        evaluate(engine, examples[:1], ["stuffing"], progress=False)
+
+
+def _record(method, kind, correct, ttft, f1=0.5):
+    return Record(method, f"{kind}-{ttft}", kind, "q", "out", correct, f1, ttft, 2 * ttft, 1e9, 100)
+
+
+def test_summary_counts_by_type_and_against_full():
+    records = [
+        _record("full", "single", True, 1.0), _record("full", "bridge", False, 3.0),
+        _record("full", "single", True, 2.0), _record("full", "comparison", True, 2.0),
+        _record("block", "single", False, 0.1, f1=0.0), _record("block", "bridge", True, 0.1, f1=1.0),
+    ]
+    full, block = summarize(records)
+    assert full["method"] == "full" and full["questions"] == 4
+    assert (full["single"], full["bridge"], full["comparison"], full["unanswerable"]) == (1.0, 0.0, 1.0, None)
+    assert full["accuracy"] == 0.75 and full["ttft"] == 2.0 and full["total_time"] == 4.0
+    assert block["accuracy"] == 0.5 and block["f1"] == 0.5 and block["speedup"] == pytest.approx(20.0)
+    table = format_table([full, block]).splitlines()
+    assert table[0].startswith("| method | n | single | bridge | comparison | unanswerable | average | F1 | TTFT ms")
+    assert table[2] == "| full | 4 | 100.0 | 0.0 | 100.0 | - | 75.0 | 50.0 | 2000 | 4.00 | 1.0x | 1.0 |"
+    assert table[3].startswith("| block | 2 | 0.0 | 100.0 | - | - | 50.0 | 50.0 | 100 | 0.20 | 20.0x |")
+
+
+def test_plot_writes_a_png(tmp_path):
+    records = [_record("full", "single", True, 1.0), _record("block", "single", False, 0.1)]
+    path = plot(records, tmp_path / "sub" / "accuracy.png")
+    assert path.read_bytes()[:8] == PNG
+
+
+def test_flops_of_a_generation_add_one_decode_step_per_fed_back_token(engine):
+    config = engine.model.config
+    assert flops_generation(config, 50, 1) == flops_to_first_token(config, 50, 0)
+    step = config.num_hidden_layers * layer_flops(config, 1, 51)  # the 1st generated token fed back: 50 keys + its own
+    assert flops_generation(config, 50, 2) == pytest.approx(flops_to_first_token(config, 50, 0) + step)
+
+
+def test_map_reduce_and_map_rerank_call_once_per_passage(engine, examples):
+    e = examples[0]
+    mr = chains.map_reduce(engine, e.question, e.passages, max_new_tokens=3, note_tokens=2)
+    assert len(mr.calls) == len(e.passages) + 1 and all(c.mode == "full" for c in mr.calls)
+    assert all(c.generated_tokens <= 2 for c in mr.calls[:-1])
+    assert sum(c.total_time for c in mr.calls[:-1]) < mr.ttft < mr.total_time
+    rr = chains.map_rerank(engine, e.question, e.passages, max_new_tokens=3)
+    assert len(rr.calls) == len(rr.candidates) == len(e.passages) and rr.ttft == rr.total_time
+
+
+def test_join_notes_drops_empty_and_nothing_relevant_notes():
+    notes = ["Ravel was born in 1901.", "nothing relevant", " ", "Nothing relevant.", "N/A", "It is in Osk. "]
+    assert chains.join_notes(notes) == "Ravel was born in 1901.\n\nIt is in Osk."
+
+
+@pytest.mark.e2e
+def test_bench_accuracy_smoke_on_the_default_model(kvrag_home, tmp_path, capsys):
+    results, png = tmp_path / "acc.jsonl", tmp_path / "acc.png"
+    argv = ["bench", "accuracy", "--limit", "4", "--passages", "5", "--max-new-tokens", "6",
+            "--results", str(results), "--plot", str(png)]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("| ") and not line.startswith("| method")]
+    assert [row.split(" | ")[0][2:] for row in rows] == list(METHODS)
+    for row in rows:
+        cells = row.strip("| ").split(" | ")
+        assert cells[1] == "4"
+        for value in cells[2:8]:  # accuracy per type, average, F1
+            assert value == "-" or 0.0 <= float(value) <= 100.0
+        assert float(cells[8]) > 0  # TTFT ms
+    assert png.read_bytes()[:8] == PNG
+    records = [json.loads(line) for line in results.read_text().splitlines()[1:]]
+    assert len(records) == 4 * len(METHODS)
+    assert all(r["ttft"] > 0 and 0 <= r["f1"] <= 1 for r in records)
