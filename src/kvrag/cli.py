@@ -1,4 +1,4 @@
-"""Command line: kvrag index | ask | demo | bench ttft | bench accuracy."""
+"""Command line: kvrag index | ask | demo | finetune | bench ttft | bench accuracy."""
 
 import argparse
 import hashlib
@@ -15,7 +15,7 @@ from .errors import KVRagError
 def _engine(args):
     from .engine import KVEngine
 
-    return KVEngine.from_pretrained(args.model, home=args.home, block_context=args.block_context)
+    return KVEngine.from_pretrained(args.model, home=args.home, block_context=args.block_context, adapter=args.adapter)
 
 
 def _home(args) -> Path:
@@ -131,10 +131,10 @@ def cmd_bench_accuracy(args):
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     dataset = {"split": args.split, "passages": args.passages, "noise": args.noise, "seed": args.seed}
     examples = data.generate(n=args.limit, **dataset)
-    results = Path(args.results) if args.results else _home(args) / "bench" / (
-        f"accuracy-{args.split}-{args.passages}p-noise{args.noise}-seed{args.seed}.jsonl"
-    )
     engine = _engine(args)
+    results = Path(args.results) if args.results else _home(args) / "bench" / (
+        f"accuracy-{engine.fingerprint[:12]}-{args.split}-{args.passages}p-noise{args.noise}-seed{args.seed}.jsonl"
+    )
     records = evaluate(engine, examples, methods, max_new_tokens=args.max_new_tokens, results=results, dataset=dataset)
     print(f"\n{len(examples)} {args.split} questions x {args.passages} passages (noise {args.noise}, seed {args.seed}); "
           "accuracy (%) per question type: a gold answer appears in the output")
@@ -144,11 +144,32 @@ def cmd_bench_accuracy(args):
         print(f"plot: {plot(records, args.plot or results.with_suffix('.png'))}")
 
 
+def cmd_finetune(args):
+    import torch
+
+    from . import data
+    from .finetune import TrainConfig, train, training_examples
+
+    config = TrainConfig(steps=args.steps, learning_rate=args.lr, accumulate=args.accumulate, lora_r=args.lora_r,
+                         lora_alpha=2 * args.lora_r, full=args.full, full_attention_share=args.full_attention_share,
+                         save_every=args.save_every, seed=args.seed)
+    dataset = {"split": "train", "n": args.questions, "passages": args.passages, "noise": args.noise, "seed": args.seed}
+    engine = _engine(args)
+    examples = training_examples(engine, data.generate(**dataset), config.full_attention_share, config.seed)
+    if torch.cuda.is_available():
+        engine.model.to("cuda")
+    print(f"fine-tuning on {len(examples)} generated train questions x {args.passages} passages, "
+          f"{'every weight' if args.full else f'LoRA r={args.lora_r}'}, {args.steps} steps of {args.accumulate} examples")
+    final = train(engine, examples, args.out, config, about={"dataset": dataset, "model": args.model or "default"})
+    print(f"saved {final}; use it with KVEngine.from_pretrained(..., adapter={str(final)!r})")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvrag", description=__doc__)
     parser.add_argument("--model", help="local model directory, GGUF file or cached hub id (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--home", help="cache directory (default: $KVRAG_HOME or ~/.cache/kvrag)")
     parser.add_argument("--block-context", choices=("none", "prefix"), default="none")
+    parser.add_argument("--adapter", help="LoRA adapter directory to merge into the model (from `kvrag finetune`)")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("index", help="split text/markdown files into passages and precompute their KV")
@@ -168,6 +189,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("--max-tokens", type=int, default=200)
     p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("finetune", help="block fine-tuning on generated questions (LoRA adapter by default)")
+    p.add_argument("out", help="directory for checkpoints and the result; a rerun resumes from its checkpoint")
+    p.add_argument("--questions", type=int, default=4000, help="generated train-split questions")
+    p.add_argument("--passages", type=int, default=10, help="passages per question")
+    p.add_argument("--noise", type=float, default=0.5)
+    p.add_argument("--steps", type=int, default=600)
+    p.add_argument("--accumulate", type=int, default=8, help="examples per optimizer step")
+    p.add_argument("--lr", type=float, default=2e-4)
+    p.add_argument("--lora-r", type=int, default=16, help="LoRA rank (alpha is twice the rank)")
+    p.add_argument("--full", action="store_true", help="train every weight instead of a LoRA adapter")
+    p.add_argument("--full-attention-share", type=float, default=0.25,
+                   help="share of examples trained with plain causal attention, so that full mode stays good")
+    p.add_argument("--save-every", type=int, default=50, help="steps between checkpoints")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_finetune)
 
     p = sub.add_parser("bench", help="benchmarks")
     bench = p.add_subparsers(dest="bench", required=True)

@@ -132,14 +132,14 @@ def _build_world(split: str, seed: int) -> list[_Entity]:
     people = [_Entity("person", f"{next(words)} {next(words)}", {}) for _ in range(size["person"])]
     works = [_Entity("work", f"The {next(words)} {rng.choice(WORK_NOUNS)}", {}) for _ in range(size["work"])]
     for p in people:
-        p.facts = {"born": str(rng.randrange(1880, 1990)), "birthplace": rng.choice(cities).name, "occupation": rng.choice(OCCUPATIONS),
-                   "employer": rng.choice(companies).name}
+        p.facts = {"born": str(rng.randrange(1880, 1990)), "birthplace": rng.choice(cities).name,
+                   "occupation": rng.choice(OCCUPATIONS), "employer": rng.choice(companies).name}
     for c in companies:
-        c.facts = {"founded": str(rng.randrange(1780, 1980)), "headquarters": rng.choice(cities).name, "founder": rng.choice(people).name,
-                   "product": rng.choice(PRODUCTS)}
+        c.facts = {"founded": str(rng.randrange(1780, 1980)), "headquarters": rng.choice(cities).name,
+                   "founder": rng.choice(people).name, "product": rng.choice(PRODUCTS)}
     for w in works:
-        w.facts = {"creator": rng.choice(people).name, "year": str(rng.randrange(1900, 2020)), "setting": rng.choice(cities).name,
-                   "kind": rng.choice(WORK_KINDS)}
+        w.facts = {"creator": rng.choice(people).name, "year": str(rng.randrange(1900, 2020)),
+                   "setting": rng.choice(cities).name, "kind": rng.choice(WORK_KINDS)}
     entities = people + companies + cities + works
     for e in entities:
         if rng.random() < 0.5:  # half the entities leave one fact out: the unanswerable questions' subjects

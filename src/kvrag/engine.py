@@ -128,10 +128,17 @@ class KVEngine:
         self._known: dict[str, list[int]] = {}  # block key -> token ids, for ids handed out by index()
 
     @classmethod
-    def from_pretrained(cls, model: str | None = None, *, dtype: torch.dtype = torch.float32, **kwargs):
-        """Load a local model directory, a GGUF file, a hub id already on disk, or (None) the default model."""
+    def from_pretrained(
+        cls, model: str | None = None, *, dtype: torch.dtype = torch.float32, adapter: str | Path | None = None, **kwargs
+    ):
+        """Load a local model directory, a GGUF file, a hub id already on disk, or (None) the default model.
+
+        `adapter`: a LoRA adapter directory (peft's format, e.g. from `kvrag finetune`), merged into the
+        weights; the fingerprint covers the merged weights, so KV made with and without it never mix."""
         home = kwargs.get("home")
         lm, tokenizer = model_lib.load(model, dtype=dtype, home=Path(home) if home is not None else None)
+        if adapter is not None:
+            lm = model_lib.merge_adapter(lm, adapter)
         return cls(lm, tokenizer, **kwargs)
 
     @classmethod

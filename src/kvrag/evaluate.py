@@ -229,9 +229,11 @@ def plot(records: Sequence[Record], path: str | Path) -> Path:
         raise KVRagError("plots need matplotlib: pip install 'kvrag[bench]'") from exc
     rows = summarize(records)
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.8))
-    for row in rows:
-        left.scatter(row["ttft"] * 1e3, 100 * row["accuracy"], s=50)
-        left.annotate(row["method"], (row["ttft"] * 1e3, 100 * row["accuracy"]), textcoords="offset points", xytext=(6, 4))
+    for k, row in enumerate(rows):
+        point = (row["ttft"] * 1e3, 100 * row["accuracy"])
+        left.scatter(*point, s=50)
+        # methods often land close together: alternate the label above and below its point
+        left.annotate(row["method"], point, textcoords="offset points", xytext=(6, 5 if k % 2 else -12))
         own = [r for r in records if r.method == row["method"]]
         right.scatter([r.prompt_tokens for r in own], [r.ttft * 1e3 for r in own], s=8, alpha=0.6, label=row["method"])
     left.set(xscale="log", xlabel="median time to first token (ms, log)", ylabel="accuracy (%)",

@@ -123,6 +123,16 @@ def load(model: str | os.PathLike | None = None, *, dtype=torch.float32, home: P
     return lm.eval(), tokenizer
 
 
+def merge_adapter(model, adapter: str | os.PathLike):
+    """The model with a LoRA adapter (peft's directory format) merged into its weights."""
+    from peft import PeftModel
+
+    path = Path(adapter)
+    if not (path / "adapter_config.json").is_file():
+        raise FileNotFoundError(f"{path} is not an adapter directory (no adapter_config.json)")
+    return PeftModel.from_pretrained(model, path).merge_and_unload().eval()
+
+
 def weights_digest(model) -> str:
     h = hashlib.sha256()
     for name, tensor in model.state_dict().items():

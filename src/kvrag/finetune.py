@@ -1,0 +1,208 @@
+"""Block fine-tuning: supervised fine-tuning under the attention that block mode gives at inference.
+
+Block-Attention's central result: a model switched to block attention untrained loses ~20 points,
+and fine-tuning it with the same attention recovers them all. So a training example is exactly an
+inference prompt (the engine's `build_prompt`: prefix, passage and separator blocks, question)
+followed by the answer, run in one pass with the mask block mode amounts to: every block causal
+within itself only, the question and answer causal over everything, positions contiguous (where
+block mode re-encodes each block to). That is exact because rotary attention depends on relative
+positions only: a block encoded alone and moved equals the block under this mask (invariant 1).
+The loss counts the answer tokens only. A share of the examples may use plain causal attention
+(Block-Attention trains on both), so that `full` mode keeps working.
+
+Weights are adapted with LoRA (peft) so that the result is a few MB; `full=True` trains every
+weight instead. Checkpoints let a long CPU run stop and resume.
+"""
+
+import json
+import random
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from .prompt import Prompt
+
+IGNORE = -100  # label of tokens the loss skips
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def block_lengths(prompt: Prompt, answer_tokens: int = 0) -> list[int]:
+    """The attention blocks of a training sequence: prefix, each passage or separator block, and the
+    question with the answer after it (the last block, which sees everything)."""
+    return [n for n in (len(prompt.prefix), *map(len, prompt.blocks)) if n] + [len(prompt.question) + answer_tokens]
+
+
+def attention_mask(lengths: Sequence[int], dtype: torch.dtype = torch.float32, device=None) -> torch.Tensor:
+    """Additive [1, 1, N, N] mask: each block causal within itself, the last block causal over everything."""
+    n = sum(lengths)
+    block = torch.repeat_interleave(torch.arange(len(lengths), device=device), torch.tensor(list(lengths), device=device))
+    rows, cols = block[:, None], block[None, :]
+    allowed = ((rows == cols) | (rows == len(lengths) - 1)) & torch.ones(n, n, dtype=torch.bool, device=device).tril()
+    return torch.zeros(n, n, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)[None, None]
+
+
+@dataclass
+class TrainingExample:
+    """Token ids, labels (IGNORE outside the answer) and attention blocks of one example."""
+
+    ids: list[int]
+    labels: list[int]
+    lengths: list[int]  # one block of everything: plain causal attention
+
+    def mask(self, dtype=torch.float32, device=None) -> torch.Tensor:
+        return attention_mask(self.lengths, dtype, device)
+
+
+def encode(engine, question: str, passages: Sequence[str], answer: str, *, full_attention: bool = False) -> TrainingExample:
+    """The prompt block mode would answer `question` from, then `answer` and the end-of-turn token."""
+    if engine.block_context != "none":
+        raise ValueError(
+            "block fine-tuning needs block_context='none': with 'prefix' a block is encoded at a canonical "
+            "distance from the prefix, which one pass with contiguous positions cannot reproduce"
+        )
+    prompt, _ = engine.build_prompt(question, list(passages))
+    eos = engine.tokenizer.eos_token_id
+    answer_ids = engine.layout.encode(answer.strip()) + ([eos] if eos is not None else [])
+    ids = prompt.ids() + answer_ids
+    if len(ids) > engine.context_window:
+        raise ValueError(f"a training example needs {len(ids)} tokens, more than the context window ({engine.context_window})")
+    labels = [IGNORE] * len(prompt) + answer_ids
+    lengths = [len(ids)] if full_attention else block_lengths(prompt, len(answer_ids))
+    return TrainingExample(ids, labels, lengths)
+
+
+def training_examples(engine, qa_examples, full_attention_share: float = 0.0, seed: int = 0) -> list[TrainingExample]:
+    """Generated questions (kvrag.data) as training examples whose answers are their short sentences;
+    a share of them, drawn by `seed`, with plain causal attention."""
+    draw = random.Random(seed)
+    return [encode(engine, q.question, q.passages, q.target, full_attention=draw.random() < full_attention_share)
+            for q in qa_examples]
+
+
+def loss(model, example: TrainingExample) -> torch.Tensor:
+    """Mean cross-entropy of the answer tokens, each predicted from everything before it."""
+    device = model.device
+    ids = torch.tensor([example.ids], device=device)
+    positions = torch.arange(len(example.ids), device=device)[None]
+    out = model(input_ids=ids, position_ids=positions, attention_mask=example.mask(model.dtype, device))
+    labels = torch.tensor(example.labels[1:], device=device)
+    return torch.nn.functional.cross_entropy(out.logits[0, :-1].float(), labels, ignore_index=IGNORE)
+
+
+@dataclass
+class TrainConfig:
+    """What a run trains and how; saved with the adapter so that it can be reproduced."""
+
+    steps: int = 600
+    learning_rate: float = 2e-4
+    accumulate: int = 8  # examples per optimizer step
+    lora_r: int = 16
+    lora_alpha: int = 32
+    lora_dropout: float = 0.05
+    full: bool = False  # train every weight instead of LoRA adapters
+    full_attention_share: float = 0.0  # share of examples trained with plain causal attention
+    save_every: int = 50
+    seed: int = 0
+
+
+def _trainable(model, config: TrainConfig):
+    if config.full:
+        model.requires_grad_(True)
+        return model
+    from peft import LoraConfig, get_peft_model
+
+    lora = LoraConfig(r=config.lora_r, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
+                      target_modules=list(LORA_TARGETS), task_type="CAUSAL_LM")
+    return get_peft_model(model, lora)
+
+
+def train(engine, examples: Sequence[TrainingExample], out: str | Path, config: TrainConfig | None = None,
+          *, progress: bool = True, about: dict | None = None) -> Path:
+    """Fine-tune the engine's model on `examples`, saving to `out`: `out/adapter` (or `out/model` with
+    `config.full`) and `out/training.json`. A run finding `out/checkpoint` continues from it.
+
+    The engine is unusable afterwards (its weights are being changed); load the result in a new one.
+    """
+    config = config or TrainConfig()
+    if not examples:
+        raise ValueError("no training examples")
+    out = Path(out)
+    checkpoint = out / "checkpoint"
+    model = _trainable(engine.model, config)
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=config.learning_rate, weight_decay=0.0)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 20) * max(0.0, 1 - step / config.steps))
+    state = {"step": 0, "losses": [], "config": asdict(config), "about": about or {}}
+    previous = checkpoint.with_name(checkpoint.name + ".old")
+    if not checkpoint.exists() and previous.exists():  # stopped between the two renames of `_save`
+        previous.rename(checkpoint)
+    if (checkpoint / "state.json").exists():
+        state = _resume(checkpoint, model, optimizer, schedule, config)
+    order = random.Random(config.seed)
+    # the example order is a pure function of the seed and the step, so a resumed run sees what an unbroken one would
+    draws = [order.randrange(len(examples)) for _ in range(config.steps * config.accumulate)]
+    bar = tqdm(total=config.steps, initial=state["step"], desc="kvrag: fine-tuning", unit="step", disable=not progress)
+    started = time.perf_counter()
+    while state["step"] < config.steps:
+        step = state["step"]
+        total = 0.0
+        for k in range(config.accumulate):
+            value = loss(model, examples[draws[step * config.accumulate + k]]) / config.accumulate
+            value.backward()
+            total += value.item()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        schedule.step()
+        optimizer.zero_grad(set_to_none=True)
+        state["step"] += 1
+        state["losses"].append(round(total, 5))
+        bar.update()
+        bar.set_postfix(loss=f"{sum(state['losses'][-20:]) / len(state['losses'][-20:]):.3f}")
+        if state["step"] % config.save_every == 0 or state["step"] == config.steps:
+            _save(checkpoint, model, optimizer, schedule, state, config)
+    bar.close()
+    model.eval()
+    final = out / ("model" if config.full else "adapter")
+    model.save_pretrained(final)
+    if config.full:
+        engine.tokenizer.save_pretrained(final)
+    state["seconds_this_run"] = round(time.perf_counter() - started, 1)
+    (out / "training.json").write_text(json.dumps(state, indent=1))
+    return final
+
+
+def _save(checkpoint: Path, model, optimizer, schedule, state: dict, config: TrainConfig) -> None:
+    """Write the checkpoint beside the old one, then swap, so that a crash leaves one whole checkpoint."""
+    fresh = checkpoint.with_name(checkpoint.name + ".new")
+    fresh.mkdir(parents=True, exist_ok=True)
+    trained = {n: p.detach().cpu() for n, p in model.named_parameters() if p.requires_grad}
+    torch.save({"trained": trained, "optimizer": optimizer.state_dict(), "schedule": schedule.state_dict()},
+               fresh / "weights.pt")
+    (fresh / "state.json").write_text(json.dumps(state))
+    old = checkpoint.with_name(checkpoint.name + ".old")
+    if checkpoint.exists():
+        checkpoint.rename(old)
+    fresh.rename(checkpoint)
+    if old.exists():
+        for f in old.iterdir():
+            f.unlink()
+        old.rmdir()
+
+
+def _resume(checkpoint: Path, model, optimizer, schedule, config: TrainConfig) -> dict:
+    state = json.loads((checkpoint / "state.json").read_text())
+    if state["config"] != asdict(config):
+        raise ValueError(f"{checkpoint} was written by a run with other settings: {state['config']}")
+    saved = torch.load(checkpoint / "weights.pt", map_location=model.device)
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, value in saved["trained"].items():
+            params[name].copy_(value)
+    optimizer.load_state_dict(saved["optimizer"])
+    schedule.load_state_dict(saved["schedule"])
+    return state

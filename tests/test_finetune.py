@@ -1,0 +1,150 @@
+"""Block fine-tuning on tiny random models: the training attention is block mode's, a step lowers the
+loss, a stopped run resumes to the same weights, and an adapter changes the fingerprint."""
+
+import json
+
+import pytest
+import torch
+from test_invariants import question_logits, random_prompt
+from tiny import block_mask, tiny_configs, tiny_model
+
+from kvrag import KVEngine
+from kvrag import finetune as ft
+from kvrag.finetune import TrainConfig, attention_mask, block_lengths, encode, loss, train
+
+PASSAGES = ["Ravel Osk was born in Dranvi in 1901.", "Dranvi lies in the country of Brasdra.", "Lailgro Works makes rope."]
+QUESTION = "In which country was Ravel Osk born?"
+ANSWER = "Ravel Osk was born in Dranvi, which is in Brasdra."
+
+
+def _forward(model, example):
+    ids = torch.tensor([example.ids])
+    with torch.no_grad():
+        out = model(input_ids=ids, position_ids=torch.arange(len(example.ids))[None], attention_mask=example.mask())
+    return out.logits[0]
+
+
+def test_the_training_mask_is_the_block_attention_mask(tok):
+    prompt = random_prompt(len(tok))
+    lengths = block_lengths(prompt, answer_tokens=5)
+    assert lengths == [len(prompt.prefix), *map(len, prompt.blocks), len(prompt.question) + 5]
+    torch.testing.assert_close(attention_mask(lengths), block_mask(lengths), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "llama3-scaled"])
+def test_training_sees_what_block_mode_computes(make_engine, arch):
+    """The logits a training example is scored on equal block mode's for the same prompt (and, with
+    plain attention, full mode's): training and inference attend alike."""
+    engine = make_engine(arch)
+    example = encode(engine, QUESTION, PASSAGES, ANSWER)
+    prompt, _ = engine.build_prompt(QUESTION, PASSAGES)
+    assert example.ids[: len(prompt)] == prompt.ids() and len(prompt.blocks) == 5  # three passages, two separators
+    answer = [t for t in example.labels if t != ft.IGNORE]
+    assert answer == example.ids[len(prompt) :] and answer[-1] == engine.tokenizer.eos_token_id
+    question = slice(len(prompt) - len(prompt.question), len(prompt))
+    trained_on = _forward(engine.model, example)[question]
+    torch.testing.assert_close(trained_on, question_logits(engine, prompt, "block"), rtol=1e-4, atol=1e-4)
+    plain = encode(engine, QUESTION, PASSAGES, ANSWER, full_attention=True)
+    assert plain.lengths == [len(plain.ids)]
+    torch.testing.assert_close(_forward(engine.model, plain)[question], question_logits(engine, prompt, "full"),
+                               rtol=1e-4, atol=1e-4)
+
+
+def test_loss_counts_only_the_answer(make_engine):
+    engine = make_engine("llama")
+    example = encode(engine, QUESTION, PASSAGES, ANSWER)
+    logits = _forward(engine.model, example)
+    n = len(example.ids) - example.labels.count(ft.IGNORE)
+    expected = torch.nn.functional.cross_entropy(logits[-n - 1 : -1], torch.tensor(example.ids[-n:]))
+    with torch.no_grad():
+        torch.testing.assert_close(loss(engine.model, example), expected)
+
+
+def test_a_few_steps_lower_the_loss_on_a_fixed_batch(make_engine, tmp_path):
+    engine = make_engine("llama")
+    batch = [encode(engine, QUESTION, PASSAGES, ANSWER), encode(engine, "What does Lailgro Works make?", PASSAGES, "Rope.")]
+    with torch.no_grad():
+        before = sum(loss(engine.model, e).item() for e in batch)
+    config = TrainConfig(steps=3, accumulate=len(batch), learning_rate=5e-2, lora_dropout=0.0)
+    adapter = train(engine, batch, tmp_path, config, progress=False)
+    with torch.no_grad():
+        after = sum(loss(engine.model, e).item() for e in batch)
+    assert after < before
+    assert (adapter / "adapter_config.json").is_file()
+    record = json.loads((tmp_path / "training.json").read_text())
+    assert record["step"] == 3 and len(record["losses"]) == 3 and record["config"]["learning_rate"] == 5e-2
+
+
+def test_a_stopped_run_resumes_to_the_same_weights(make_engine, tmp_path, monkeypatch):
+    config = TrainConfig(steps=4, accumulate=1, learning_rate=1e-2, save_every=2, lora_dropout=0.0)
+
+    def examples(engine):
+        return [encode(engine, QUESTION, PASSAGES, ANSWER), encode(engine, "Where is Dranvi?", PASSAGES, "In Brasdra.")]
+
+    straight = make_engine("llama")
+    train(straight, examples(straight), tmp_path / "straight", config, progress=False)
+
+    calls = {"n": 0}
+    real_loss = ft.loss
+
+    def failing(model, example):
+        calls["n"] += 1
+        if calls["n"] == 4:  # during the 4th step: the checkpoint of step 2 is the last one written
+            raise KeyboardInterrupt
+        return real_loss(model, example)
+
+    stopped = make_engine("llama")
+    monkeypatch.setattr(ft, "loss", failing)
+    with pytest.raises(KeyboardInterrupt):
+        train(stopped, examples(stopped), tmp_path / "resumed", config, progress=False)
+    monkeypatch.setattr(ft, "loss", real_loss)
+    assert json.loads((tmp_path / "resumed" / "checkpoint" / "state.json").read_text())["step"] == 2
+    resumed = make_engine("llama")
+    train(resumed, examples(resumed), tmp_path / "resumed", config, progress=False)
+    a = dict(straight.model.named_parameters())
+    for name, p in resumed.model.named_parameters():
+        if "lora" in name:
+            torch.testing.assert_close(p, a[name], rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="other settings"):
+        train(make_engine("llama"), examples(resumed), tmp_path / "resumed", TrainConfig(steps=5), progress=False)
+
+
+def test_an_adapter_changes_the_fingerprint_and_the_answers(make_engine, tok, tmp_path):
+    base = tmp_path / "base"
+    tiny_model(tiny_configs(len(tok))["llama"]).save_pretrained(base)
+    tok.save_pretrained(base)
+    engine = KVEngine.from_pretrained(str(base), home=tmp_path / "home")
+    adapter = train(engine, [encode(engine, QUESTION, PASSAGES, ANSWER)], tmp_path / "tuned",
+                    TrainConfig(steps=2, accumulate=1, learning_rate=5e-2, lora_dropout=0.0), progress=False)
+    plain = KVEngine.from_pretrained(str(base), home=tmp_path / "home")
+    tuned = KVEngine.from_pretrained(str(base), home=tmp_path / "home", adapter=adapter)
+    assert tuned.fingerprint != plain.fingerprint
+    assert not any("lora" in name for name, _ in tuned.model.named_parameters())  # merged: plain modules again
+    prompt, _ = plain.build_prompt(QUESTION, PASSAGES)
+    assert not torch.allclose(question_logits(tuned, prompt, "block"), question_logits(plain, prompt, "block"))
+    again = KVEngine.from_pretrained(str(base), home=tmp_path / "home", adapter=adapter)
+    assert again.fingerprint == tuned.fingerprint
+    with pytest.raises(FileNotFoundError, match="not an adapter directory"):
+        KVEngine.from_pretrained(str(base), home=tmp_path / "home", adapter=tmp_path)
+
+
+def test_prefix_block_context_is_refused(make_engine):
+    with pytest.raises(ValueError, match="block_context='none'"):
+        encode(make_engine("llama", block_context="prefix"), QUESTION, PASSAGES, ANSWER)
+
+
+@pytest.mark.e2e
+def test_finetune_command_on_the_default_model(kvrag_home, tmp_path, capsys):
+    from kvrag.cli import main
+
+    out = tmp_path / "run"
+    argv = ["finetune", str(out), "--questions", "4", "--passages", "5", "--steps", "2", "--accumulate", "1",
+            "--save-every", "1"]
+    assert main(argv) == 0
+    assert "saved" in capsys.readouterr().out
+    record = json.loads((out / "training.json").read_text())
+    assert record["step"] == 2 and all(v > 0 for v in record["losses"])
+    assert record["about"]["dataset"] == {"split": "train", "n": 4, "passages": 5, "noise": 0.5, "seed": 0}
+    tuned = KVEngine.from_pretrained(adapter=out / "adapter")
+    assert tuned.fingerprint != KVEngine.shared().fingerprint
+    assert tuned.generate("Where is Dranvi?", ["Dranvi lies in Brasdra."], max_new_tokens=4).generated_tokens > 0
