@@ -122,6 +122,17 @@ def test_join_notes_drops_empty_and_nothing_relevant_notes():
     assert chains.join_notes(notes) == "Ravel was born in 1901.\n\nIt is in Osk."
 
 
+@pytest.mark.parametrize(
+    "args, message",
+    [(["--methods", "full,stuffing"], "unknown method"), (["--passages", "40"], "between 5 and 30"),
+     (["--limit", "0"], "n must be")],
+)
+def test_bench_accuracy_rejects_bad_arguments_before_loading_anything(args, message, capsys, monkeypatch):
+    monkeypatch.setattr("kvrag.cli._engine", lambda args: pytest.fail("loaded a model"))
+    assert main(["bench", "accuracy", *args]) == 2
+    assert message in capsys.readouterr().err
+
+
 @pytest.mark.e2e
 def test_bench_accuracy_smoke_on_the_default_model(kvrag_home, tmp_path, capsys):
     results, png = tmp_path / "acc.jsonl", tmp_path / "acc.png"

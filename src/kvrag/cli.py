@@ -126,9 +126,10 @@ def cmd_bench(args):
 
 def cmd_bench_accuracy(args):
     from . import data
-    from .evaluate import evaluate, format_table, plot, summarize
+    from .evaluate import check_methods, evaluate, format_table, plot, summarize
 
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    check_methods(methods)
     dataset = {"split": args.split, "passages": args.passages, "noise": args.noise, "seed": args.seed}
     examples = data.generate(n=args.limit, **dataset)
     engine = _engine(args)
@@ -233,7 +234,7 @@ def main(argv=None) -> int:
     hf_logging.disable_progress_bar()  # weight-loading bars on every start are noise on a terminal
     try:
         args.func(args)
-    except (KVRagError, FileNotFoundError) as exc:
+    except (KVRagError, FileNotFoundError, ValueError) as exc:
         print(f"kvrag: error: {exc}", file=sys.stderr)
         return 2
     return 0

@@ -103,6 +103,12 @@ RUNNERS: dict[str, Callable] = {
 }
 
 
+def check_methods(methods: Sequence[str]) -> None:
+    unknown = [m for m in methods if m not in RUNNERS]
+    if unknown or not methods:
+        raise ValueError(f"unknown method(s) {unknown or methods}; choose from {', '.join(RUNNERS)}")
+
+
 def _settings(engine, max_new_tokens: int, dataset: dict | None) -> dict:
     settings = {"model": engine.fingerprint, "blend": asdict(engine.blend), "max_new_tokens": max_new_tokens,
                 "dataset": dataset or {}}
@@ -149,9 +155,7 @@ def evaluate(
     """Every method's answer to every example, grouped by method. `results`, a JSON-lines file, keeps
     them across runs: a later run with the same model, settings and `dataset` description (how the
     examples were made) only computes what is missing."""
-    unknown = [m for m in methods if m not in RUNNERS]
-    if unknown:
-        raise ValueError(f"unknown method(s) {unknown}; choose from {tuple(RUNNERS)}")
+    check_methods(methods)
     settings = _settings(engine, max_new_tokens, dataset)
     path = Path(results) if results else None
     done = _load(path, settings) if path else {}
