@@ -299,12 +299,12 @@ def _candidates(world: list[_Entity]) -> dict[str, list[dict]]:
                                       target=target.format(name=e.name, mid=mid.name, v=v), gold=(e, mid), absent=(v,)))
     for kind, (attr, question, target) in _COMPARISON.items():
         group = [e for e in world if e.kind == kind and _stated(e, attr)]
+        value = {e.name: int(e.facts[attr].replace(",", "")) for e in group}
+        more = "more" in question
         for a, b in itertools.combinations(group, 2):
-            value = lambda x: int(x.facts[attr].replace(",", ""))  # noqa: E731
-            if value(a) == value(b):
+            if value[a.name] == value[b.name]:
                 continue
-            more = "more" in question
-            win, lose = (a, b) if (value(a) > value(b)) == more else (b, a)
+            win, lose = (a, b) if (value[a.name] > value[b.name]) == more else (b, a)
             out["comparison"].append(dict(question=question.format(a=a.name, b=b.name), answers=(win.name,),
                                           target=target.format(v=win.name), gold=(a, b), absent=(win.name,),
                                           wrong=(lose.name,)))

@@ -16,6 +16,7 @@ weight instead. Checkpoints let a long CPU run stop and resume.
 
 import json
 import random
+import shutil
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -189,9 +190,7 @@ def _save(checkpoint: Path, model, optimizer, schedule, state: dict, config: Tra
         checkpoint.rename(old)
     fresh.rename(checkpoint)
     if old.exists():
-        for f in old.iterdir():
-            f.unlink()
-        old.rmdir()
+        shutil.rmtree(old)
 
 
 def _resume(checkpoint: Path, model, optimizer, schedule, config: TrainConfig) -> dict:
