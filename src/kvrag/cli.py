@@ -9,6 +9,7 @@ from pathlib import Path
 
 from . import MODES
 from .evaluate import METHODS, RUNNERS
+from .finetune import TrainConfig
 from .errors import KVRagError
 
 
@@ -149,7 +150,7 @@ def cmd_finetune(args):
     import torch
 
     from . import data
-    from .finetune import TrainConfig, train, training_examples
+    from .finetune import train, training_examples
 
     config = TrainConfig(steps=args.steps, learning_rate=args.lr, accumulate=args.accumulate, lora_r=args.lora_r,
                          lora_alpha=2 * args.lora_r, full=args.full, full_attention_share=args.full_attention_share,
@@ -196,14 +197,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--questions", type=int, default=1200, help="generated train-split questions")
     p.add_argument("--passages", type=int, default=5, help="passages per question")
     p.add_argument("--noise", type=float, default=0.5)
-    p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--accumulate", type=int, default=4, help="examples per optimizer step")
-    p.add_argument("--lr", type=float, default=5e-4)
-    p.add_argument("--lora-r", type=int, default=8, help="LoRA rank (alpha is twice the rank)")
+    p.add_argument("--steps", type=int, default=TrainConfig.steps)
+    p.add_argument("--accumulate", type=int, default=TrainConfig.accumulate, help="examples per optimizer step")
+    p.add_argument("--lr", type=float, default=TrainConfig.learning_rate)
+    p.add_argument("--lora-r", type=int, default=TrainConfig.lora_r, help="LoRA rank (alpha is twice the rank)")
     p.add_argument("--full", action="store_true", help="train every weight instead of a LoRA adapter")
     p.add_argument("--full-attention-share", type=float, default=0.25,
                    help="share of examples trained with plain causal attention, so that full mode stays good")
-    p.add_argument("--save-every", type=int, default=25, help="steps between checkpoints")
+    p.add_argument("--save-every", type=int, default=TrainConfig.save_every, help="steps between checkpoints")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_finetune)
 
