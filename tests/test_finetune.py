@@ -134,6 +134,19 @@ def test_prefix_block_context_is_refused(make_engine):
 
 
 @pytest.mark.e2e
+def test_the_unanswerable_share_keeps_every_answerable_question():
+    from kvrag import data
+
+    questions = data.generate("train", n=200, passages=5)
+    answerable = [q for q in questions if q.type != "unanswerable"]
+    for share in (0.0, 0.05, 0.25):
+        kept = ft.with_unanswerable_share(questions, share)
+        assert [q for q in kept if q.type != "unanswerable"] == answerable
+        assert sum(q.type == "unanswerable" for q in kept) / len(kept) == pytest.approx(share, abs=0.005)
+    with pytest.raises(ValueError, match="needs 100 unanswerable questions; the data has 50 \\(a share of 0.25\\)"):
+        ft.with_unanswerable_share(questions, 0.4)
+
+
 def test_finetune_command_on_the_default_model(kvrag_home, tmp_path, capsys):
     from kvrag.cli import main
 
@@ -145,6 +158,7 @@ def test_finetune_command_on_the_default_model(kvrag_home, tmp_path, capsys):
     record = json.loads((out / "training.json").read_text())
     assert record["step"] == 2 and all(v > 0 for v in record["losses"])
     assert record["about"]["dataset"] == {"split": "train", "n": 4, "passages": 5, "noise": 0.5, "seed": 0}
+    assert record["about"]["unanswerable_share"] == 0.05
     tuned = KVEngine.from_pretrained(adapter=out / "adapter")
     assert tuned.fingerprint != KVEngine.shared().fingerprint
     assert tuned.generate("Where is Dranvi?", ["Dranvi lies in Brasdra."], max_new_tokens=4).generated_tokens > 0

@@ -150,19 +150,22 @@ def cmd_finetune(args):
     import torch
 
     from . import data
-    from .finetune import train, training_examples
+    from .finetune import train, training_examples, with_unanswerable_share
 
     config = TrainConfig(steps=args.steps, learning_rate=args.lr, accumulate=args.accumulate, lora_r=args.lora_r,
                          lora_alpha=2 * args.lora_r, full=args.full, full_attention_share=args.full_attention_share,
                          save_every=args.save_every, seed=args.seed)
     dataset = {"split": "train", "n": args.questions, "passages": args.passages, "noise": args.noise, "seed": args.seed}
+    questions = with_unanswerable_share(data.generate(**dataset), args.unanswerable_share)
     engine = _engine(args)
-    examples = training_examples(engine, data.generate(**dataset), config.full_attention_share, config.seed)
+    examples = training_examples(engine, questions, config.full_attention_share, config.seed)
     if torch.cuda.is_available():
         engine.model.to("cuda")
-    print(f"fine-tuning on {len(examples)} generated train questions x {args.passages} passages, "
+    print(f"fine-tuning on {len(examples)} generated train questions x {args.passages} passages "
+          f"({args.unanswerable_share:.0%} unanswerable), "
           f"{'every weight' if args.full else f'LoRA r={args.lora_r}'}, {args.steps} steps of {args.accumulate} examples")
-    final = train(engine, examples, args.out, config, about={"dataset": dataset, "model": args.model or "default"})
+    about = {"dataset": dataset, "unanswerable_share": args.unanswerable_share, "model": args.model or "default"}
+    final = train(engine, examples, args.out, config, about=about)
     print(f"saved {final}; use it with KVEngine.from_pretrained(..., adapter={str(final)!r})")
 
 
@@ -195,8 +198,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("finetune", help="block fine-tuning on generated questions (LoRA adapter by default)")
     p.add_argument("out", help="directory for checkpoints and the result; a rerun resumes from its checkpoint")
     p.add_argument("--questions", type=int, default=1200, help="generated train-split questions")
-    p.add_argument("--passages", type=int, default=5, help="passages per question")
+    p.add_argument("--passages", type=int, default=10, help="passages per question")
     p.add_argument("--noise", type=float, default=0.5)
+    p.add_argument("--unanswerable-share", type=float, default=0.05,
+                   help="share of questions no passage answers (at most 0.25, what the generator makes)")
     p.add_argument("--steps", type=int, default=TrainConfig.steps)
     p.add_argument("--accumulate", type=int, default=TrainConfig.accumulate, help="examples per optimizer step")
     p.add_argument("--lr", type=float, default=TrainConfig.learning_rate)

@@ -76,6 +76,25 @@ def encode(engine, question: str, passages: Sequence[str], answer: str, *, full_
     return TrainingExample(ids, labels, lengths)
 
 
+def with_unanswerable_share(qa_examples, share: float) -> list:
+    """Every answerable question and just enough unanswerable ones to make up `share` of the result.
+
+    The generator asks a quarter of its questions about facts no passage states. Trained on that
+    quarter, the default model learns to decline far more often than it should (measured in the
+    README), so a run chooses how much of the refusal it sees."""
+    answerable = [q for q in qa_examples if q.type != "unanswerable"]
+    declined = [q for q in qa_examples if q.type == "unanswerable"]
+    if not 0.0 <= share < 1.0:
+        raise ValueError(f"unanswerable share must be in [0, 1), got {share}")
+    wanted = round(share * len(answerable) / (1 - share))
+    if wanted > len(declined):
+        available = len(declined) / max(1, len(qa_examples))
+        raise ValueError(f"unanswerable share {share} needs {wanted} unanswerable questions; the data has "
+                         f"{len(declined)} (a share of {available:.2f})")
+    kept = set(map(id, answerable + declined[:wanted]))
+    return [q for q in qa_examples if id(q) in kept]
+
+
 def training_examples(engine, qa_examples, full_attention_share: float = 0.0, seed: int = 0) -> list[TrainingExample]:
     """Generated questions (kvrag.data) as training examples whose answers are their short sentences;
     a share of them, drawn by `seed`, with plain causal attention."""
