@@ -147,6 +147,18 @@ def test_the_unanswerable_share_keeps_every_answerable_question():
         ft.with_unanswerable_share(questions, 0.4)
 
 
+def test_the_default_model_comes_with_the_shipped_block_adapter(default_engine):
+    """adapter="auto" (the default) merges the adapter shipped in the package into the default model;
+    None loads the published weights: another fingerprint, so that their KV never mix."""
+    from kvrag.model import DEFAULT_ADAPTER
+
+    shipped = {p.name: p.stat().st_size for p in DEFAULT_ADAPTER.iterdir()}
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= shipped.keys()
+    assert sum(shipped.values()) < 10_000_000  # a few MB
+    assert KVEngine.from_pretrained(adapter=None).fingerprint != default_engine.fingerprint
+    assert KVEngine.from_pretrained(adapter=DEFAULT_ADAPTER).fingerprint == default_engine.fingerprint
+
+
 def test_finetune_command_on_the_default_model(kvrag_home, tmp_path, capsys):
     from kvrag.cli import main
 

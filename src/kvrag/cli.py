@@ -16,7 +16,8 @@ from .errors import KVRagError
 def _engine(args):
     from .engine import KVEngine
 
-    return KVEngine.from_pretrained(args.model, home=args.home, block_context=args.block_context, adapter=args.adapter)
+    adapter = None if args.adapter == "none" else args.adapter
+    return KVEngine.from_pretrained(args.model, home=args.home, block_context=args.block_context, adapter=adapter)
 
 
 def _home(args) -> Path:
@@ -155,6 +156,8 @@ def cmd_finetune(args):
     config = TrainConfig(steps=args.steps, learning_rate=args.lr, accumulate=args.accumulate, lora_r=args.lora_r,
                          lora_alpha=2 * args.lora_r, full=args.full, full_attention_share=args.full_attention_share,
                          save_every=args.save_every, seed=args.seed)
+    if args.adapter == "auto":  # train from the published weights, not from the shipped adapter
+        args.adapter = "none"
     dataset = {"split": "train", "n": args.questions, "passages": args.passages, "noise": args.noise, "seed": args.seed}
     questions = with_unanswerable_share(data.generate(**dataset), args.unanswerable_share)
     engine = _engine(args)
@@ -174,7 +177,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model", help="local model directory, GGUF file or cached hub id (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--home", help="cache directory (default: $KVRAG_HOME or ~/.cache/kvrag)")
     parser.add_argument("--block-context", choices=("none", "prefix"), default="none")
-    parser.add_argument("--adapter", help="LoRA adapter directory to merge into the model (from `kvrag finetune`)")
+    parser.add_argument("--adapter", default="auto",
+                        help="LoRA adapter directory to merge into the model (from `kvrag finetune`); 'auto' (default): "
+                             "the block-tuned adapter shipped for the default model; 'none': the published weights")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("index", help="split text/markdown files into passages and precompute their KV")

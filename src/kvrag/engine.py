@@ -129,14 +129,18 @@ class KVEngine:
 
     @classmethod
     def from_pretrained(
-        cls, model: str | None = None, *, dtype: torch.dtype = torch.float32, adapter: str | Path | None = None, **kwargs
+        cls, model: str | None = None, *, dtype: torch.dtype = torch.float32, adapter: str | Path | None = "auto", **kwargs
     ):
         """Load a local model directory, a GGUF file, a hub id already on disk, or (None) the default model.
 
         `adapter`: a LoRA adapter directory (peft's format, e.g. from `kvrag finetune`), merged into the
-        weights; the fingerprint covers the merged weights, so KV made with and without it never mix."""
+        weights; the fingerprint covers the merged weights, so KV made with and without it never mix.
+        "auto" (the default) is the block-tuned adapter shipped for the default model, and nothing for
+        any other model; None loads the weights as published."""
         home = kwargs.get("home")
         lm, tokenizer = model_lib.load(model, dtype=dtype, home=Path(home) if home is not None else None)
+        if adapter == "auto":
+            adapter = model_lib.DEFAULT_ADAPTER if model is None else None
         if adapter is not None:
             lm = model_lib.merge_adapter(lm, adapter)
         return cls(lm, tokenizer, **kwargs)

