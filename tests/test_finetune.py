@@ -133,7 +133,6 @@ def test_prefix_block_context_is_refused(make_engine):
         encode(make_engine("llama", block_context="prefix"), QUESTION, PASSAGES, ANSWER)
 
 
-@pytest.mark.e2e
 def test_the_unanswerable_share_keeps_every_answerable_question():
     from kvrag import data
 
@@ -147,6 +146,7 @@ def test_the_unanswerable_share_keeps_every_answerable_question():
         ft.with_unanswerable_share(questions, 0.4)
 
 
+@pytest.mark.e2e
 def test_the_default_model_comes_with_the_shipped_block_adapter(default_engine):
     """adapter="auto" (the default) merges the adapter shipped in the package into the default model;
     None loads the published weights: another fingerprint, so that their KV never mix."""
@@ -159,6 +159,7 @@ def test_the_default_model_comes_with_the_shipped_block_adapter(default_engine):
     assert KVEngine.from_pretrained(adapter=DEFAULT_ADAPTER).fingerprint == default_engine.fingerprint
 
 
+@pytest.mark.e2e
 def test_finetune_command_on_the_default_model(kvrag_home, tmp_path, capsys):
     from kvrag.cli import main
 
