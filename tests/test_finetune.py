@@ -10,6 +10,7 @@ from tiny import block_mask, tiny_configs, tiny_model
 
 from kvrag import KVEngine
 from kvrag import finetune as ft
+from kvrag.evaluate import _settings
 from kvrag.finetune import TrainConfig, attention_mask, block_lengths, encode, loss, train
 
 PASSAGES = ["Ravel Osk was born in Dranvi in 1901.", "Dranvi lies in the country of Brasdra.", "Lailgro Works makes rope."]
@@ -128,6 +129,48 @@ def test_an_adapter_changes_the_fingerprint_and_the_answers(make_engine, tok, tm
         KVEngine.from_pretrained(str(base), home=tmp_path / "home", adapter=tmp_path)
 
 
+def test_the_adapter_serves_the_block_modes_and_the_published_weights_the_causal_ones(tok, tmp_path):
+    """adapter_scope="block" (the default): full and prefix run on the published weights, exactly, and
+    keep prefix KV with them; the weights the adapter leaves alone are one copy. "all": every mode."""
+    base = tmp_path / "base"
+    tiny_model(tiny_configs(len(tok))["llama"]).save_pretrained(base)
+    tok.save_pretrained(base)
+    kw = {"home": tmp_path / "home", "storage_dtype": torch.float32}
+    plain = KVEngine.from_pretrained(str(base), **kw)
+    adapter = train(plain, [encode(plain, QUESTION, PASSAGES, ANSWER)], tmp_path / "tuned",
+                    TrainConfig(steps=2, accumulate=1, learning_rate=5e-2, lora_dropout=0.0), progress=False)
+    plain = KVEngine.from_pretrained(str(base), **kw)  # `train` left its LoRA layers in the first one
+    tuned = KVEngine.from_pretrained(str(base), **kw, adapter=adapter)
+    everywhere = KVEngine.from_pretrained(str(base), **kw, adapter=adapter, adapter_scope="all")
+    prompt, _ = plain.build_prompt(QUESTION, PASSAGES)
+
+    assert tuned.causal_fingerprint == plain.fingerprint != tuned.fingerprint == everywhere.fingerprint
+    assert everywhere.causal_fingerprint == everywhere.fingerprint
+    assert tuned.model.get_input_embeddings().weight is tuned.causal_model.get_input_embeddings().weight
+    q_proj = lambda m: m.get_decoder().layers[0].self_attn.q_proj.weight  # noqa: E731
+    assert not torch.equal(q_proj(tuned.model), q_proj(tuned.causal_model))
+    assert torch.equal(q_proj(tuned.causal_model), q_proj(plain.model))
+
+    published_full = question_logits(plain, prompt, "full")
+    assert torch.equal(question_logits(tuned, prompt, "full"), published_full)
+    assert not torch.allclose(question_logits(everywhere, prompt, "full"), published_full)
+    for mode in ("block", "composite", "blend"):
+        torch.testing.assert_close(question_logits(tuned, prompt, mode), question_logits(everywhere, prompt, mode))
+    tuned_text = tuned.generate(QUESTION, PASSAGES, mode="full", max_new_tokens=6)
+    assert tuned_text.token_ids == plain.generate(QUESTION, PASSAGES, mode="full", max_new_tokens=6).token_ids
+
+    first = tuned.generate(QUESTION, PASSAGES, mode="prefix", max_new_tokens=1)  # stores its segments
+    assert first.reused_tokens == 0
+    assert plain.generate(QUESTION, PASSAGES, mode="prefix", max_new_tokens=1).reused_tokens > 0  # same weights
+    assert everywhere.generate(QUESTION, PASSAGES, mode="prefix", max_new_tokens=1).reused_tokens == 0  # not these
+    torch.testing.assert_close(question_logits(tuned, prompt, "prefix"), published_full)
+    # benchmark results record both weight sets, so that a resumed run never mixes answers
+    assert _settings(tuned, 8, None)["causal_model"] == plain.fingerprint
+    assert "causal_model" not in _settings(everywhere, 8, None)
+    with pytest.raises(ValueError, match="adapter_scope must be one of"):
+        KVEngine.from_pretrained(str(base), **kw, adapter=adapter, adapter_scope="full")
+
+
 def test_prefix_block_context_is_refused(make_engine):
     with pytest.raises(ValueError, match="block_context='none'"):
         encode(make_engine("llama", block_context="prefix"), QUESTION, PASSAGES, ANSWER)
@@ -148,14 +191,16 @@ def test_the_unanswerable_share_keeps_every_answerable_question():
 
 @pytest.mark.e2e
 def test_the_default_model_comes_with_the_shipped_block_adapter(default_engine):
-    """adapter="auto" (the default) merges the adapter shipped in the package into the default model;
-    None loads the published weights: another fingerprint, so that their KV never mix."""
+    """adapter="auto" (the default) merges the adapter shipped in the package into the default model's
+    block-mode weights; None loads the published weights: another fingerprint, so that KV never mix."""
     from kvrag.model import DEFAULT_ADAPTER
 
     shipped = {p.name: p.stat().st_size for p in DEFAULT_ADAPTER.iterdir()}
     assert {"adapter_config.json", "adapter_model.safetensors"} <= shipped.keys()
     assert sum(shipped.values()) < 10_000_000  # a few MB
-    assert KVEngine.from_pretrained(adapter=None).fingerprint != default_engine.fingerprint
+    published = KVEngine.from_pretrained(adapter=None).fingerprint
+    assert published != default_engine.fingerprint
+    assert published == default_engine.causal_fingerprint  # full and prefix mode run on the published weights
     assert KVEngine.from_pretrained(adapter=DEFAULT_ADAPTER).fingerprint == default_engine.fingerprint
 
 

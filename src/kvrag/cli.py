@@ -17,7 +17,8 @@ def _engine(args):
     from .engine import KVEngine
 
     adapter = None if args.adapter == "none" else args.adapter
-    return KVEngine.from_pretrained(args.model, home=args.home, block_context=args.block_context, adapter=adapter)
+    return KVEngine.from_pretrained(args.model, home=args.home, block_context=args.block_context, adapter=adapter,
+                                    adapter_scope=args.adapter_scope)
 
 
 def _home(args) -> Path:
@@ -180,6 +181,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--adapter", default="auto",
                         help="LoRA adapter directory to merge into the model (from `kvrag finetune`); 'auto' (default): "
                              "the block-tuned adapter shipped for the default model; 'none': the published weights")
+    parser.add_argument("--adapter-scope", choices=("block", "all"), default="block",
+                        help="modes the adapter is used in: 'block' (default): block, composite and blend, with the "
+                             "published weights in full and prefix; 'all': every mode")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("index", help="split text/markdown files into passages and precompute their KV")

@@ -10,6 +10,9 @@ Modes (all prefill exactly the ids of `Prompt.ids()`; they differ in what is reu
   blend      block mode plus CacheBlend: recompute the passage tokens whose KV deviates most
              (a `BlendConfig.recompute_ratio` share) with the question, restoring cross-passage
              attention (see blend.py)
+
+An engine may hold two weight sets: `model` for the block modes and `causal_model` for full and
+prefix, as when a block-tuned adapter serves the block modes only (`from_pretrained`'s default).
 """
 
 import os
@@ -36,10 +39,26 @@ from .store import KVBlock, KVStore
 
 Mode = Literal["full", "block", "composite", "prefix", "blend"]
 MODES: tuple[str, ...] = get_args(Mode)
+CAUSAL_MODES = ("full", "prefix")  # plain causal attention, the attention the published weights were trained for
+ADAPTER_SCOPES = ("block", "all")
 BLOCK_CONTEXTS = ("none", "prefix")
 _BLOCK_ID = re.compile(r"^kv_([0-9a-f]{32})$")
 _SHARED: dict = {}
 _SHARED_LOCK = threading.Lock()
+
+
+def _prepare(model):
+    if model.config._attn_implementation != attention.NAME:
+        model.set_attn_implementation(attention.NAME)
+    return model.eval()
+
+
+def _check_same_shape(model, other) -> None:
+    """Two weight sets an engine can switch between per request: their KV must fit the same workspaces."""
+    shape = lambda m: (m.config.model_type, m.config.num_hidden_layers, m.config.num_key_value_heads,  # noqa: E731
+                       m.config.hidden_size, m.config.num_attention_heads, m.dtype, m.device)
+    if shape(model) != shape(other):
+        raise ValueError(f"causal_model {shape(other)} does not match the model {shape(model)}")
 
 
 def check_text(text, what: str = "passage") -> str:
@@ -91,6 +110,7 @@ class KVEngine:
         model,
         tokenizer,
         *,
+        causal_model=None,
         block_context: str = "none",
         storage_dtype: torch.dtype = torch.float16,
         memory_budget: int = 1 << 30,
@@ -100,13 +120,13 @@ class KVEngine:
         fingerprint: str | None = None,
         blend: BlendConfig | None = None,
     ):
-        """`blend`: the default of blend mode's settings (each request may pass its own)."""
+        """`causal_model`: other weights for the causal modes (full, prefix), say the published ones when
+        `model` carries a block-tuned adapter (default: `model` in every mode). `blend`: the default of
+        blend mode's settings (each request may pass its own)."""
         model_lib.check_supported(model.config)
         if block_context not in BLOCK_CONTEXTS:
             raise ValueError(f"block_context must be one of {BLOCK_CONTEXTS}, got {block_context!r}")
-        if model.config._attn_implementation != attention.NAME:
-            model.set_attn_implementation(attention.NAME)
-        self.model, self.tokenizer = model.eval(), tokenizer
+        self.model, self.tokenizer = _prepare(model), tokenizer
         self.block_context = block_context
         self.storage_dtype = storage_dtype
         self.layout = PromptLayout(tokenizer, prompt_format)
@@ -114,12 +134,18 @@ class KVEngine:
         self.home = Path(home) if home is not None else model_lib.kvrag_home()
         root = self.home / "kv" / self.fingerprint[:16] if persist else None
         self.store = KVStore(self.fingerprint, root, memory_budget)
+        self.causal_model, self.causal_fingerprint, self.causal_store = self.model, self.fingerprint, self.store
+        if causal_model is not None and causal_model is not model:
+            _check_same_shape(model, causal_model)
+            self.causal_model = _prepare(causal_model)
+            self.causal_fingerprint = model_lib.fingerprint(causal_model, tokenizer)
+            causal_root = self.home / "kv" / self.causal_fingerprint[:16] if persist else None
+            self.causal_store = KVStore(self.causal_fingerprint, causal_root, memory_budget)
         self.passages = PassageMatcher(root / "passages.sqlite" if root is not None else None)
         self.context_window = model_lib.context_window(model.config)
         config = model.config
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        self.decoder = model.get_decoder()
-        self.inv_freq = self.decoder.rotary_emb.inv_freq
+        self.inv_freq = model.get_decoder().rotary_emb.inv_freq
         self.pool = WorkspacePool(
             config.num_hidden_layers, config.num_key_value_heads, head_dim, model.dtype, model.device
         )
@@ -129,21 +155,36 @@ class KVEngine:
 
     @classmethod
     def from_pretrained(
-        cls, model: str | None = None, *, dtype: torch.dtype = torch.float32, adapter: str | Path | None = "auto", **kwargs
+        cls,
+        model: str | None = None,
+        *,
+        dtype: torch.dtype = torch.float32,
+        adapter: str | Path | None = "auto",
+        adapter_scope: str = "block",
+        **kwargs,
     ):
         """Load a local model directory, a GGUF file, a hub id already on disk, or (None) the default model.
 
         `adapter`: a LoRA adapter directory (peft's format, e.g. from `kvrag finetune`), merged into the
         weights; the fingerprint covers the merged weights, so KV made with and without it never mix.
         "auto" (the default) is the block-tuned adapter shipped for the default model, and nothing for
-        any other model; None loads the weights as published."""
+        any other model; None loads the weights as published.
+        `adapter_scope`: "block" (the default) uses the adapter in the modes with block attention
+        (block, composite, blend), what it was tuned for, and the published weights in the causal modes
+        (full, prefix), so that the baselines stay the published model's; the weights the adapter leaves
+        alone (embeddings, norms) are shared, the rest held twice. "all" uses the adapter in every mode.
+        """
+        if adapter_scope not in ADAPTER_SCOPES:
+            raise ValueError(f"adapter_scope must be one of {ADAPTER_SCOPES}, got {adapter_scope!r}")
         home = kwargs.get("home")
         lm, tokenizer = model_lib.load(model, dtype=dtype, home=Path(home) if home is not None else None)
         if adapter == "auto":
             adapter = model_lib.DEFAULT_ADAPTER if model is None else None
-        if adapter is not None:
-            lm = model_lib.merge_adapter(lm, adapter)
-        return cls(lm, tokenizer, **kwargs)
+        if adapter is None:
+            return cls(lm, tokenizer, **kwargs)
+        if adapter_scope == "all":
+            return cls(model_lib.merge_adapter(lm, adapter), tokenizer, **kwargs)
+        return cls(model_lib.merge_adapter(lm, adapter, keep_base=True), tokenizer, causal_model=lm, **kwargs)
 
     @classmethod
     def shared(cls, model: str | None = None, **kwargs) -> "KVEngine":
@@ -295,14 +336,20 @@ class KVEngine:
         context = self._context(prompt.prefix)
         return prompt, [self.store.key(context, ids) for ids in prompt.blocks]
 
-    def _forward(self, ids, cache, start: int, logits_to_keep: int = 0, causal_only: bool = False):
-        """Run the model on `ids` at positions start.., appending to `cache`, which holds `start` tokens."""
-        ids_t = torch.tensor([ids], device=self.model.device)
-        positions = torch.arange(start, start + len(ids), device=self.model.device)[None]
-        mask = None if causal_only else attention.causal_mask(len(ids), start, self.model.dtype, self.model.device)
+    def model_for(self, mode: str):
+        """The weights `mode` runs on: `causal_model` for full and prefix, `model` for the block modes."""
+        return self.causal_model if mode in CAUSAL_MODES else self.model
+
+    def _forward(self, ids, cache, start: int, logits_to_keep: int = 0, causal_only: bool = False, model=None):
+        """Run `model` (default: the block modes' weights) on `ids` at positions start.., appending to
+        `cache`, which holds `start` tokens."""
+        model = model or self.model
+        ids_t = torch.tensor([ids], device=model.device)
+        positions = torch.arange(start, start + len(ids), device=model.device)[None]
+        mask = None if causal_only else attention.causal_mask(len(ids), start, model.dtype, model.device)
         if logits_to_keep < 0:  # hidden states only
-            return self.decoder(input_ids=ids_t, position_ids=positions, past_key_values=cache, attention_mask=mask)
-        out = self.model(
+            return model.get_decoder()(input_ids=ids_t, position_ids=positions, past_key_values=cache, attention_mask=mask)
+        out = model(
             input_ids=ids_t, position_ids=positions, past_key_values=cache, attention_mask=mask, logits_to_keep=logits_to_keep
         )
         return out.logits[0]
@@ -379,7 +426,7 @@ class KVEngine:
     def _prefill_full(self, prompt, keys, ws, keep):
         ids = prompt.ids()
         cache = ws.cache(0)
-        logits = self._forward(ids, cache, 0, logits_to_keep=keep, causal_only=True)
+        logits = self._forward(ids, cache, 0, logits_to_keep=keep, causal_only=True, model=self.causal_model)
         return Prefill(logits, cache, len(ids), len(ids), 0, {}, ws)
 
     def _assemble(self, prompt, keys, ws, reorder: bool = True):
@@ -423,17 +470,18 @@ class KVEngine:
         return self._prefill_block(prompt, keys, ws, keep, reorder=False)
 
     def _prefill_prefix(self, prompt, keys, ws, keep):
-        """Prefix caching: segments are keyed by everything before them, so only exact prefixes match."""
+        """Prefix caching: segments are keyed by everything before them, so only exact prefixes match.
+        Their KV is causal attention's, so it lives with the causal weights."""
         hits: dict[str, int] = {}
         segments = [s for s in [prompt.prefix, *prompt.blocks] if s]
         chain, parent = [], ""
         for ids in segments:
-            parent = self.store.key(f"chain:{parent}", ids)
+            parent = self.causal_store.key(f"chain:{parent}", ids)
             chain.append(parent)
         pieces, position = [], 0
         for i, key in enumerate(chain):
             context = f"chain:{chain[i - 1] if i else ''}"
-            block, tier = self.store.get(key, context)
+            block, tier = self.causal_store.get(key, context)
             if block is None:
                 break
             hits[tier] = hits.get(tier, 0) + 1
@@ -443,7 +491,7 @@ class KVEngine:
         fill(ws, pieces, self.inv_freq)
         cache = ws.cache(position)
         rest = [t for ids in segments[len(pieces) :] for t in ids] + prompt.question
-        logits = self._forward(rest, cache, position, logits_to_keep=keep)
+        logits = self._forward(rest, cache, position, logits_to_keep=keep, model=self.causal_model)
         pending, slot = [], position
         for i in range(len(pieces), len(segments)):
             hits["computed"] = hits.get("computed", 0) + 1
@@ -455,7 +503,7 @@ class KVEngine:
     def _store_pending(self, prefill: Prefill) -> None:
         """Save the segments a prefix-caching request computed, read back from its workspace."""
         for key, context, slot, ids in prefill.pending:
-            self.store.put(key, context, self._block_from(prefill.workspace, slot, ids))
+            self.causal_store.put(key, context, self._block_from(prefill.workspace, slot, ids))
 
     # ---- generation ---------------------------------------------------------------------------------
 
@@ -513,6 +561,7 @@ class KVEngine:
         prompt, keys = build()
         budget = min(max_new_tokens, self.context_window - len(prompt))
         state = self.prefill(prompt, mode, keys=keys, extra_capacity=budget, blend=blend)
+        model = self.model_for(mode)
         tracker = TextTracker(self.tokenizer, stops)
         ttft, finish = None, "length"
         try:
@@ -534,7 +583,7 @@ class KVEngine:
                     finish = "timeout"
                     break
                 if step + 1 < budget:
-                    logits = self._forward([token], state.cache, position)[-1]
+                    logits = self._forward([token], state.cache, position, model=model)[-1]
                     position += 1
             tail = tracker.flush()
             if tail:

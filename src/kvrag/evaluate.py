@@ -112,6 +112,8 @@ def check_methods(methods: Sequence[str]) -> None:
 def _settings(engine, max_new_tokens: int, dataset: dict | None) -> dict:
     settings = {"model": engine.fingerprint, "blend": asdict(engine.blend), "max_new_tokens": max_new_tokens,
                 "dataset": dataset or {}}
+    if engine.causal_fingerprint != engine.fingerprint:  # full and prefix run on other weights
+        settings["causal_model"] = engine.causal_fingerprint
     return json.loads(json.dumps(settings))  # as read back from the file: tuples become lists
 
 

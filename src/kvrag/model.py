@@ -5,6 +5,7 @@ The default model is SmolLM2-135M-Instruct, shipped as a GGUF file inside the Py
 it once to safetensors under KVRAG_HOME and every later load reads those in about a second.
 """
 
+import copy
 import hashlib
 import importlib.util
 import json
@@ -125,14 +126,24 @@ def load(model: str | os.PathLike | None = None, *, dtype=torch.float32, home: P
     return lm.eval(), tokenizer
 
 
-def merge_adapter(model, adapter: str | os.PathLike):
-    """The model with a LoRA adapter (peft's directory format) merged into its weights."""
+def merge_adapter(model, adapter: str | os.PathLike, *, keep_base: bool = False):
+    """The model with a LoRA adapter (peft's directory format) merged into its weights.
+
+    `keep_base`: leave `model` as it was, to serve other requests beside the result; the two share
+    every weight the adapter does not change (embeddings, norms) instead of holding it twice."""
     from peft import PeftModel
 
     path = Path(adapter)
     if not (path / "adapter_config.json").is_file():
         raise FileNotFoundError(f"{path} is not an adapter directory (no adapter_config.json)")
-    return PeftModel.from_pretrained(model, path).merge_and_unload().eval()
+    merged = PeftModel.from_pretrained(copy.deepcopy(model) if keep_base else model, path).merge_and_unload().eval()
+    if keep_base:
+        base = dict(model.named_parameters(remove_duplicate=False))
+        for name, param in list(merged.named_parameters(remove_duplicate=False)):  # tied ones too
+            if torch.equal(param, base[name]):
+                owner, _, attr = name.rpartition(".")
+                setattr(merged.get_submodule(owner), attr, base[name])
+    return merged
 
 
 def weights_digest(model) -> str:

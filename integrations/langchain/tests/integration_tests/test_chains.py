@@ -51,14 +51,6 @@ def llms(engine):
     return {mode: ChatKVRag(engine=engine, mode=mode, max_tokens=40) for mode in ("full", "block")}
 
 
-@pytest.fixture(scope="module")
-def published_llm():
-    """The classic chains are baselines for comparison: they run on the published weights. The
-    shipped block-tuned adapter is trained on block-mode RAG prompts, and with it the reduce step
-    below misses the keeper's name (issue 7's note)."""
-    return ChatKVRag(engine=KVEngine.shared(adapter=None), mode="full", max_tokens=40)
-
-
 def ask(llm, kind, question, docs):
     return rag_chain(llm, kind, return_details=True).invoke({"question": question, "input_documents": docs})
 
@@ -88,15 +80,16 @@ def test_stuff_is_kv_blocks_with_the_passages_as_plain_text(llms, institutions, 
         assert stuff["message"].response_metadata[key] == blocks["message"].response_metadata[key]
 
 
-def test_map_reduce_maps_every_passage_and_answers_from_the_notes(published_llm, institutions):
-    result = ask(published_llm, "map_reduce", KEEPER, institutions)
+def test_map_reduce_maps_every_passage_and_answers_from_the_notes(llms, institutions):
+    """Full mode runs on the published weights: the shipped adapter is for the block modes."""
+    result = ask(llms["full"], "map_reduce", KEEPER, institutions)
     assert len(result["notes"]) == 3
     assert "thornbury" in result["notes"][1].lower()  # the passage that holds the fact
     assert "thornbury" in result["answer"].lower()
 
 
-def test_map_rerank_answers_every_passage_and_keeps_the_best(published_llm, institutions):
-    result = ask(published_llm, "map_rerank", ACADEMY, institutions)
+def test_map_rerank_answers_every_passage_and_keeps_the_best(llms, institutions):
+    result = ask(llms["full"], "map_rerank", ACADEMY, institutions)
     candidates = result["candidates"]
     assert [c.document.metadata["n"] for c in candidates] == [0, 1, 2]
     assert all(c.answer for c in candidates)
