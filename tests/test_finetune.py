@@ -67,13 +67,16 @@ def test_a_few_steps_lower_the_loss_on_a_fixed_batch(make_engine, tmp_path):
     with torch.no_grad():
         before = sum(loss(engine.model, e).item() for e in batch)
     config = TrainConfig(steps=3, accumulate=len(batch), learning_rate=5e-2, lora_dropout=0.0)
-    adapter = train(engine, batch, tmp_path, config, progress=False)
+    adapter = train(engine, batch, tmp_path, config, progress=False, scale=0.5)
     with torch.no_grad():
         after = sum(loss(engine.model, e).item() for e in batch)
     assert after < before
-    assert (adapter / "adapter_config.json").is_file()
+    assert json.loads((adapter / "adapter_config.json").read_text())["lora_alpha"] == 4  # scale 0.5 x r 8
     record = json.loads((tmp_path / "training.json").read_text())
     assert record["step"] == 3 and len(record["losses"]) == 3 and record["config"]["learning_rate"] == 5e-2
+    assert record["config"]["lora_alpha"] == 16 and record["adapter_scale"] == 0.5
+    with pytest.raises(ValueError, match="scale applies to a LoRA adapter"):
+        train(make_engine("llama"), batch, tmp_path / "full", TrainConfig(steps=1, full=True), scale=1.0)
 
 
 def test_a_stopped_run_resumes_to_the_same_weights(make_engine, tmp_path, monkeypatch):

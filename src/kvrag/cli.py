@@ -169,7 +169,7 @@ def cmd_finetune(args):
           f"({args.unanswerable_share:.0%} unanswerable), "
           f"{'every weight' if args.full else f'LoRA r={args.lora_r}'}, {args.steps} steps of {args.accumulate} examples")
     about = {"dataset": dataset, "unanswerable_share": args.unanswerable_share, "model": args.model or "default"}
-    final = train(engine, examples, args.out, config, about=about)
+    final = train(engine, examples, args.out, config, about=about, scale=args.adapter_scale)
     print(f"saved {final}; use it with KVEngine.from_pretrained(..., adapter={str(final)!r})")
 
 
@@ -219,6 +219,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--full-attention-share", type=float, default=0.25,
                    help="share of examples trained with plain causal attention, so that full mode stays good")
     p.add_argument("--save-every", type=int, default=TrainConfig.save_every, help="steps between checkpoints")
+    p.add_argument("--adapter-scale", type=float,
+                   help="LoRA scale (alpha/r) to save the adapter at (default: the trained 2; the shipped one: 1)")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_finetune)
 

@@ -146,15 +146,20 @@ def _trainable(model, config: TrainConfig):
 
 
 def train(engine, examples: Sequence[TrainingExample], out: str | Path, config: TrainConfig | None = None,
-          *, progress: bool = True, about: dict | None = None) -> Path:
+          *, progress: bool = True, about: dict | None = None, scale: float | None = None) -> Path:
     """Fine-tune the engine's model on `examples`, saving to `out`: `out/adapter` (or `out/model` with
     `config.full`) and `out/training.json`. A run finding `out/checkpoint` continues from it.
 
-    The engine is unusable afterwards (its weights are being changed); load the result in a new one.
+    `scale`: the LoRA scale (lora_alpha / r) the saved adapter is merged at, default the trained one.
+    A weaker one keeps the model closer to its published behaviour on text unlike the training data
+    (README: Block fine-tuning). The engine is unusable afterwards (its weights are being changed);
+    load the result in a new one.
     """
     config = config or TrainConfig()
     if not examples:
         raise ValueError("no training examples")
+    if scale is not None and (config.full or scale <= 0):
+        raise ValueError(f"scale applies to a LoRA adapter and must be > 0, got {scale} (full={config.full})")
     out = Path(out)
     checkpoint = out / "checkpoint"
     model = _trainable(engine.model, config)
@@ -196,6 +201,11 @@ def train(engine, examples: Sequence[TrainingExample], out: str | Path, config: 
         for p in params:
             p.data = p.data.half()
     final = out / ("model" if config.full else "adapter")
+    if not config.full:
+        scale = scale or config.lora_alpha / config.lora_r
+        alpha = scale * config.lora_r
+        model.peft_config["default"].lora_alpha = int(alpha) if alpha == int(alpha) else alpha
+        state["adapter_scale"] = scale
     model.save_pretrained(final)
     if config.full:
         engine.tokenizer.save_pretrained(final)
