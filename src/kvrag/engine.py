@@ -343,7 +343,7 @@ class KVEngine:
     def _forward(self, ids, cache, start: int, logits_to_keep: int = 0, causal_only: bool = False, model=None):
         """Run `model` (default: the block modes' weights) on `ids` at positions start.., appending to
         `cache`, which holds `start` tokens."""
-        model = model or self.model
+        model = model if model is not None else self.model
         ids_t = torch.tensor([ids], device=model.device)
         positions = torch.arange(start, start + len(ids), device=model.device)[None]
         mask = None if causal_only else attention.causal_mask(len(ids), start, model.dtype, model.device)
