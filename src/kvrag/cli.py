@@ -8,6 +8,7 @@ from importlib import resources
 from pathlib import Path
 
 from . import MODES
+from .engine import ADAPTER_SCOPES
 from .evaluate import METHODS, RUNNERS
 from .finetune import TrainConfig
 from .errors import KVRagError
@@ -181,7 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--adapter", default="auto",
                         help="LoRA adapter directory to merge into the model (from `kvrag finetune`); 'auto' (default): "
                              "the block-tuned adapter shipped for the default model; 'none': the published weights")
-    parser.add_argument("--adapter-scope", choices=("block", "all"), default="block",
+    parser.add_argument("--adapter-scope", choices=ADAPTER_SCOPES, default="block",
                         help="modes the adapter is used in: 'block' (default): block, composite and blend, with the "
                              "published weights in full and prefix; 'all': every mode")
     sub = parser.add_subparsers(dest="command", required=True)
