@@ -221,7 +221,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="share of examples trained with plain causal attention, so that full mode stays good")
     p.add_argument("--save-every", type=int, default=TrainConfig.save_every, help="steps between checkpoints")
     p.add_argument("--adapter-scale", type=float,
-                   help="LoRA scale (alpha/r) to save the adapter at (default: the trained 2; the shipped one: 1)")
+                   help="LoRA scale (alpha/r) to save the adapter at (default: the trained one; the shipped "
+                        "adapter's is in its training.json)")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_finetune)
 
