@@ -73,24 +73,13 @@ def test_demo_runs_offline(capsys):
     answers = {mode: re.findall(rf"^  {mode} +\d+ms  \S", out, re.M) for mode in ("full", "block")}
     assert len(answers["full"]) == len(answers["block"]) == 6  # every sample question, in both modes
     assert "median TTFT speed-up of block over full" in out
-    assert re.search(r"gold answer in them: full [0-6] of 6, block [0-6] of 6", out)
-
-
-def test_demo_asks_other_questions_from_a_file(tmp_path, capsys):
-    questions = tmp_path / "q.json"
-    questions.write_text('[{"question": "What is the capital of Orvanne?", "answers": ["saltmere"]}]')
-    assert main(["demo", "--questions", str(questions)]) == 0
-    out = capsys.readouterr().out
-    assert out.count("?\n") == 1 and "What is the capital of Orvanne?" in out
-    assert re.search(r"full [01] of 1, block [01] of 1", out)
 
 
 def test_blend_moves_the_answer_logits_towards_full(default_engine):
     """Over kvrag's sample corpus (every passage, ~700 tokens) and its questions, blend at 15%
     recompute is measurably closer to full prefill than block mode: in L2 distance of the last
-    token's logits and in KL(full || mode), on every question, and on average it halves the KL; all
-    three on the weights blend mode runs on (the default engine's full mode runs on the published
-    ones). Distances are printed (pytest -s)."""
+    token's logits and in KL(full || mode), all three on the weights blend mode runs on (the default
+    engine's full mode runs on the published ones). Distances are printed (pytest -s)."""
     import json
     from importlib import resources
     from pathlib import Path
@@ -112,12 +101,9 @@ def test_blend_moves_the_answer_logits_towards_full(default_engine):
         finally:
             engine.release(state)
 
-    kl_ratios = []
     for question in questions:
         full, block, blend = (last_logits(question, mode) for mode in ("full", "block", "blend"))
         l2 = {name: (x - full).norm().item() for name, x in (("block", block), ("blend", blend))}
         kl = {name: (full.exp() * (full - x)).sum().item() for name, x in (("block", block), ("blend", blend))}
         print(f"{question!r}: L2 block {l2['block']:.1f} blend {l2['blend']:.1f}; KL block {kl['block']:.3f} blend {kl['blend']:.3f}")
-        assert l2["blend"] < 0.8 * l2["block"] and kl["blend"] < 0.6 * kl["block"]
-        kl_ratios.append(kl["blend"] / kl["block"])
-    assert sum(kl_ratios) / len(kl_ratios) < 0.5  # on average blend halves block mode's divergence
+        assert l2["blend"] < 0.8 * l2["block"] and kl["blend"] < 0.5 * kl["block"]
