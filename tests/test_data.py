@@ -45,8 +45,8 @@ def test_shape_types_and_passage_counts(test_split):
         assert all(len(e.passages) == k for e in data.generate("dev", 8, passages=k))
 
 
-def test_passages_are_60_to_200_tokens(test_split, default_engine):
-    lengths = [len(default_engine.layout.passage_ids(p)) for e in test_split for p in e.passages]
+def test_passages_are_60_to_200_tokens(test_split, prose_split, default_engine):
+    lengths = [len(default_engine.layout.passage_ids(p)) for e in test_split + prose_split for p in e.passages]
     assert 60 <= min(lengths) and max(lengths) <= 200
 
 
@@ -63,8 +63,13 @@ def test_splits_share_no_entity(worlds):
     assert all(e.split == "train" for e in train)
 
 
-def test_every_answer_is_in_a_gold_passage_and_in_no_distractor(test_split):
-    for e in test_split:
+@pytest.fixture(scope="module")
+def prose_split():
+    return data.generate("train", N, passages=10, prose=0.5)
+
+
+def test_every_answer_is_in_a_gold_passage_and_in_no_distractor(test_split, prose_split):
+    for e in test_split + prose_split:
         if e.type == "unanswerable":
             continue
         gold = [e.passages[i] for i in e.gold]
@@ -126,10 +131,36 @@ def test_noise_decides_how_many_distractors_are_hard(worlds):
     assert hard_share(0.0) > hard_share(0.5) > hard_share(1.0)
 
 
+def test_prose_rewrites_passages_and_keeps_the_facts(worlds):
+    """Prose changes how a share of the entities is written, not what the world is."""
+    world = data._build_world("train", seed=0, prose=0.5)
+    assert 0.4 < sum(e.prose for e in world) / len(world) < 0.6
+    for plain, e in zip(worlds["train"], world):
+        assert (e.name, e.withheld) == (plain.name, plain.withheld)
+        assert {a: v for a, v in e.facts.items() if a in plain.facts} == plain.facts
+        if not e.prose:
+            assert e.passage == plain.passage and e.facts == plain.facts
+            continue
+        assert e.passage != plain.passage and len(e.facts) == len(plain.facts) + 1  # one fact more
+        assert all(_contains(e.passage, v) for a, v in e.facts.items() if a != e.withheld), e.passage
+        assert e.withheld is None or not _contains(e.passage, e.facts[e.withheld])
+
+
+def test_prose_entities_are_asked_in_other_words_and_of_their_extra_fact(prose_split):
+    def asked_as(templates):
+        patterns = [re.escape(t).replace(re.escape("{name}"), ".+") for t in templates]
+        return [q for q in single if any(re.fullmatch(p, q) for p in patterns)]
+
+    single = [e.question for e in prose_split if e.type == "single"]
+    plain = set(asked_as(q for q, _ in data._SINGLE.values()))
+    assert set(asked_as(q for qs in data._REPHRASED.values() for q in qs)) - plain
+    assert asked_as(extra[2] for kind in data._EXTRAS.values() for extra in kind.values())
+
+
 @pytest.mark.parametrize(
     "kwargs, message",
     [({"split": "val"}, "split must be"), ({"passages": 4}, "between 5 and 30"), ({"passages": 31}, "between 5 and 30"),
-     ({"noise": 1.5}, "noise"), ({"n": 0}, "n must be")],
+     ({"noise": 1.5}, "noise"), ({"prose": -0.1}, "prose"), ({"n": 0}, "n must be")],
 )
 def test_bad_arguments(kwargs, message):
     with pytest.raises(ValueError, match=message):

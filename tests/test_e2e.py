@@ -73,6 +73,16 @@ def test_demo_runs_offline(capsys):
     answers = {mode: re.findall(rf"^  {mode} +\d+ms  \S", out, re.M) for mode in ("full", "block")}
     assert len(answers["full"]) == len(answers["block"]) == 6  # every sample question, in both modes
     assert "median TTFT speed-up of block over full" in out
+    assert re.search(r"gold answer in them: full [0-6] of 6, block [0-6] of 6", out)
+
+
+def test_demo_asks_other_questions_from_a_file(tmp_path, capsys):
+    questions = tmp_path / "q.json"
+    questions.write_text('[{"question": "What is the capital of Orvanne?", "answers": ["saltmere"]}]')
+    assert main(["demo", "--questions", str(questions)]) == 0
+    out = capsys.readouterr().out
+    assert out.count("?\n") == 1 and "What is the capital of Orvanne?" in out
+    assert re.search(r"full [01] of 1, block [01] of 1", out)
 
 
 def test_blend_moves_the_answer_logits_towards_full(default_engine):

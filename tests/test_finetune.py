@@ -213,12 +213,13 @@ def test_finetune_command_on_the_default_model(kvrag_home, tmp_path, capsys):
 
     out = tmp_path / "run"
     argv = ["finetune", str(out), "--questions", "4", "--passages", "5", "--steps", "2", "--accumulate", "1",
-            "--save-every", "1"]
+            "--save-every", "1", "--prose", "0.5"]
     assert main(argv) == 0
     assert "saved" in capsys.readouterr().out
     record = json.loads((out / "training.json").read_text())
     assert record["step"] == 2 and all(v > 0 for v in record["losses"])
-    assert record["about"]["dataset"] == {"split": "train", "n": 4, "passages": 5, "noise": 0.5, "seed": 0}
+    assert record["about"]["dataset"] == {"split": "train", "n": 4, "passages": 5, "noise": 0.5, "seed": 0,
+                                                "prose": 0.5}
     assert record["about"]["unanswerable_share"] == 0.05
     tuned = KVEngine.from_pretrained(adapter=out / "adapter")
     assert tuned.fingerprint != KVEngine.shared().fingerprint

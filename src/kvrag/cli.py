@@ -89,7 +89,7 @@ def cmd_demo(args):
 
     sample = Path(str(resources.files("kvrag") / "sample"))
     files = sorted(sample.glob("*.md"))
-    questions = json.loads((sample / "questions.json").read_text())
+    questions = json.loads(Path(args.questions or sample / "questions.json").read_text())
     engine = _engine(args)
     passages, sources = _passages(engine, _read(files), args.max_tokens)
     print(f"Indexing {len(passages)} passages about a fictional island (KV computed once, then cached)...")
@@ -100,7 +100,7 @@ def cmd_demo(args):
     index.add(passages, sources)
     width = 48
     print(f"\n{'question / mode':<{width}} {'TTFT':>8}  answer")
-    speedups = []
+    speedups, right = [], {"full": 0, "block": 0}
     for item in questions:
         question = item["question"]
         retrieved = index.search(question, args.top_k)
@@ -109,6 +109,7 @@ def cmd_demo(args):
         for mode in ("full", "block"):
             results[mode] = r = engine.generate(question, retrieved, mode=mode, max_new_tokens=args.max_new_tokens)
             correct = any(a.lower() in r.text.lower() for a in item["answers"])
+            right[mode] += correct
             print(f"  {mode:<{width - 2}} {r.ttft * 1e3:>6.0f}ms  {r.text.strip()}  {'[ok]' if correct else '[?]'}")
         speedups.append(results["full"].ttft / results["block"].ttft)
         print(
@@ -116,6 +117,8 @@ def cmd_demo(args):
             f"({results['block'].reused_tokens} of {results['block'].prompt_tokens} prompt tokens reused)"
         )
     print(f"\nmedian TTFT speed-up of block over full: {sorted(speedups)[len(speedups) // 2]:.1f}x")
+    print(f"answers with a gold answer in them: full {right['full']} of {len(questions)}, "
+          f"block {right['block']} of {len(questions)}")
 
 
 def cmd_bench(args):
@@ -160,7 +163,8 @@ def cmd_finetune(args):
                          save_every=args.save_every, seed=args.seed)
     if args.adapter == "auto":  # train from the published weights, not from the shipped adapter
         args.adapter = "none"
-    dataset = {"split": "train", "n": args.questions, "passages": args.passages, "noise": args.noise, "seed": args.seed}
+    dataset = {"split": "train", "n": args.questions, "passages": args.passages, "noise": args.noise, "seed": args.seed,
+               "prose": args.prose}
     questions = with_unanswerable_share(data.generate(**dataset), args.unanswerable_share)
     engine = _engine(args)
     examples = training_examples(engine, questions, config.full_attention_share, config.seed)
@@ -203,6 +207,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=3)
     p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("--max-tokens", type=int, default=200)
+    p.add_argument("--questions", help='JSON list of {"question": ..., "answers": [...]} about the sample corpus '
+                                       "(default: the six it ships with)")
     p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("finetune", help="block fine-tuning on generated questions (LoRA adapter by default)")
@@ -210,6 +216,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--questions", type=int, default=1200, help="generated train-split questions")
     p.add_argument("--passages", type=int, default=10, help="passages per question")
     p.add_argument("--noise", type=float, default=0.5)
+    p.add_argument("--prose", type=float, default=0.5,
+                   help="share of train-split passages rewritten as connected prose, with questions in other words")
     p.add_argument("--unanswerable-share", type=float, default=0.05,
                    help="share of questions no passage answers (at most 0.25, what the generator makes)")
     p.add_argument("--steps", type=int, default=TrainConfig.steps)

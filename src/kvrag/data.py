@@ -14,6 +14,10 @@ states nothing. A question comes with its gold passages (one or two) and distrac
 Every answer appears in a gold passage and in no distractor; the value behind an unanswerable
 question appears in no passage at all. The train, dev and test splits are separate worlds whose
 names come from disjoint parts of one pool, so no entity is shared.
+
+For training, ``prose`` rewrites a share of the passages as connected prose (several facts to a
+sentence, references back, one fact outside the fourteen templates) and asks their questions in
+other words too; the evaluation splits keep the plain passages.
 """
 
 import itertools
@@ -83,6 +87,7 @@ class _Entity:
     facts: dict
     withheld: str | None = None
     passage: str = ""
+    prose: bool = False  # written as connected prose (training data only, see `generate`)
 
 
 # ---- names ------------------------------------------------------------------------------------------
@@ -116,7 +121,7 @@ def _name_pools(seed: int) -> dict[str, list[str]]:
 # ---- the world ----------------------------------------------------------------------------------------
 
 
-def _build_world(split: str, seed: int) -> list[_Entity]:
+def _build_world(split: str, seed: int, prose: float = 0.0) -> list[_Entity]:
     rng = random.Random(f"kvrag-data-world:{seed}:{split}")
     words = iter(_name_pools(seed)[split])
     size = {kind: n * _SCALE[split] for kind, n in _UNIT.items()}
@@ -145,6 +150,15 @@ def _build_world(split: str, seed: int) -> list[_Entity]:
         if rng.random() < 0.5:  # half the entities leave one fact out: the unanswerable questions' subjects
             e.withheld = rng.choice([a for a in e.facts if (e.kind, a) in _SINGLE])
         e.passage = _render(e, rng)
+    # a stream of its own, so that the facts and the plain passages stay what they are without prose
+    style = random.Random(f"kvrag-data-prose:{seed}:{split}")
+    for e in entities:
+        if style.random() < prose:
+            e.prose = True
+            kind_extras = _EXTRAS[e.kind]
+            extra = style.choice(sorted(kind_extras))
+            e.facts[extra] = kind_extras[extra][0](style)
+            e.passage = _render_prose(e, style)
     return entities
 
 
@@ -217,6 +231,119 @@ def _render(e: _Entity, rng: random.Random) -> str:
     return " ".join(sentences)
 
 
+# ---- connected prose (training data) ----------------------------------------------------------------------
+# The plain passages state one fact per sentence, always by name. Real text packs several facts into
+# one sentence, refers back with "it" or "the firm", and states facts nobody asks about in the
+# fourteen templates. A model tuned on plain passages alone learns those templates and, at full
+# adapter strength, fails on real text (README: Block fine-tuning), so training may mix in this style.
+
+
+def _invented(style: random.Random, parts: int = 3) -> str:
+    return "".join(style.choice(_ONSETS) + style.choice(_VOWELS) for _ in range(parts)).capitalize()
+
+
+# kind -> attribute -> (value maker, sentence, question, target); asked only of prose entities
+_EXTRAS = {
+    "person": {
+        "nickname": (_invented, "Friends call {short} by the nickname {v}.", "What is {name}'s nickname?",
+                     "{name} is nicknamed {v}."),
+        "mentor": (lambda s: f"{_invented(s)} {_invented(s)}", "{short} learned the trade from {v}.",
+                   "Who taught {name} the trade?", "{name} learned the trade from {v}."),
+    },
+    "company": {
+        "chief engineer": (lambda s: f"{_invented(s)} {_invented(s)}", "The chief engineer of {name} is {v}.",
+                           "Who is the chief engineer of {name}?", "The chief engineer of {name} is {v}."),
+        "motto": (lambda s: f"{_invented(s, 2)} {_invented(s, 2).lower()}", "The motto of the firm is \"{v}\".",
+                  "What is the motto of {name}?", "The motto of {name} is \"{v}\"."),
+    },
+    "city": {
+        "local dish": (lambda s: f"{_invented(s).lower()} {s.choice(['stew', 'pie', 'bread', 'soup'])}",
+                       "The local dish of {name} is {v}, eaten on feast days.", "What is the local dish of {name}?",
+                       "The local dish of {name} is {v}."),
+        "mayor": (lambda s: f"{_invented(s)} {_invented(s)}", "The mayor of {name} is {v}.", "Who is the mayor of {name}?",
+                  "The mayor of {name} is {v}."),
+    },
+    "work": {
+        "main character": (lambda s: f"{_invented(s)} {_invented(s)}", "Its main character is {v}.",
+                           "Who is the main character of {name}?", "The main character of {name} is {v}."),
+        "first performer": (lambda s: f"{_invented(s)} {_invented(s)}", "It was first performed by {v}.",
+                            "Who first performed {name}?", "{name} was first performed by {v}."),
+    },
+}
+
+# kind -> two attributes -> sentences stating both; {ref} refers back to the entity without its name
+_PAIRS = {
+    "person": {
+        ("born", "birthplace"): ["Born in {birthplace} in {born}, {short} spent a quiet childhood by the water.",
+                                 "{name} was born in {born} in {birthplace}, where the family had lived for generations."],
+        ("occupation", "employer"): ["As a {occupation}, {short} has spent most of a long career at {employer}.",
+                                     "{short} works at {employer}, where the other staff know {short} as a careful {occupation}."],
+        ("born", "occupation"): ["{name}, a {occupation} born in {born}, is well known beyond the trade."],
+        ("birthplace", "employer"): ["After leaving {birthplace}, the city of {their} birth, {short} joined {employer}."],
+    },
+    "company": {
+        ("founded", "founder"): ["{founder} set up {name} in {founded}.", "The firm was founded in {founded} by {founder}."],
+        ("headquarters", "product"): ["From its head office in {headquarters}, {name} sells {product} across the region.",
+                                      "Its workshops in {headquarters}, where it is based, turn out {product}."],
+        ("founded", "headquarters"): ["Founded in {founded}, the company has always kept its head office in {headquarters}."],
+        ("founder", "product"): ["{founder}, who founded the company, wanted it to make the best {product} anywhere."],
+    },
+    "city": {
+        ("country", "river"): ["{name}, a city in {country}, grew up on both banks of the {river}."],
+        ("population", "country"): ["With about {population} inhabitants, {name} is one of the busier cities of {country}."],
+        ("river", "population"): ["The {river} winds past the homes of the {population} people who live in {name}."],
+    },
+    "work": {
+        ("creator", "year"): ["{creator} created {name}, which first appeared in {year}."],
+        ("kind", "setting"): ["{name} is a {kind} set in the city of {setting}."],
+        ("year", "kind"): ["First presented to the public in {year}, the {kind} found an audience slowly."],
+        ("creator", "setting"): ["{creator} set {name} in {setting}, a city the author knew well."],
+    },
+}
+
+_REF = {"person": "{short}", "company": "The firm", "city": "The city", "work": "The work"}
+
+_PROSE_COLOUR = [
+    "Little of this was planned, and much of it happened by chance.",
+    "Accounts of those years differ in the details but agree on the outline.",
+    "Local newspapers have returned to the story more than once.",
+    "Not everyone was pleased, and the arguments lasted for a long time.",
+    "A small exhibition once told the whole story with letters and photographs.",
+    "Some of the early papers were lost in a flood and never recovered.",
+]
+
+
+def _render_prose(e: _Entity, style: random.Random) -> str:
+    """The entity's stated facts (its extra one included) as connected prose: two facts to a sentence
+    where a pair fits, later sentences referring back without the name, colour in between."""
+    short = e.name.split()[-1] if e.kind == "person" else e.name
+    fill = {"name": e.name, "short": short, "their": "their"}
+    left = [a for a in e.facts if a != e.withheld]
+    style.shuffle(left)
+    sentences = []
+    pairs = list(_PAIRS[e.kind].items())
+    style.shuffle(pairs)
+    for (a, b), templates in pairs:
+        if a in left and b in left and style.random() < 0.7:
+            sentences.append(style.choice(templates).format(**{a: e.facts[a], b: e.facts[b]}, **fill))
+            left = [x for x in left if x not in (a, b)]
+    for a in left:
+        if a in _EXTRAS[e.kind]:
+            sentences.append(_EXTRAS[e.kind][a][1].format(v=e.facts[a], **fill))
+        else:
+            sentence = style.choice(_FACT_SENTENCES[(e.kind, a)]).format(v=e.facts[a], **fill)
+            if sentences and sentence.startswith(e.name) and style.random() < 0.5:  # refer back, as prose does
+                sentence = _REF[e.kind].format(**fill) + sentence[len(e.name):]
+            sentences.append(sentence)
+    style.shuffle(sentences)
+    intro = style.choice(_INTROS[e.kind]).format(**fill)
+    sentences.insert(0, intro)
+    colour = style.sample(_COLOUR[e.kind], style.randrange(1, 4)) + style.sample(_PROSE_COLOUR, style.randrange(1, 3))
+    for sentence in colour:
+        sentences.insert(style.randrange(1, len(sentences) + 1), sentence.format(**fill))
+    return " ".join(sentences)
+
+
 # ---- questions -----------------------------------------------------------------------------------------
 
 # (kind, attribute) -> (question, target sentence)
@@ -235,6 +362,24 @@ _SINGLE = {
     ("work", "creator"): ("Who created {name}?", "{name} was created by {v}."),
     ("work", "year"): ("In what year did {name} first appear?", "{name} first appeared in {v}."),
     ("work", "setting"): ("In which city is {name} set?", "{name} is set in {v}."),
+}
+
+# other ways to ask the same; prose entities are asked in one of them or in the form above
+_REPHRASED = {
+    ("person", "born"): ["When was {name} born?", "What year was {name} born in?"],
+    ("person", "birthplace"): ["Where was {name} born?", "What is the birthplace of {name}?"],
+    ("person", "occupation"): ["What does {name} do for a living?", "What is {name}'s trade?"],
+    ("person", "employer"): ["Who employs {name}?", "Which firm is {name} employed by?"],
+    ("company", "founded"): ["When was {name} founded?", "What year did {name} open its doors?"],
+    ("company", "headquarters"): ["Where is {name} based?", "Where is the head office of {name}?"],
+    ("company", "founder"): ["Who is the founder of {name}?", "Who set up {name}?"],
+    ("company", "product"): ["What is {name} known for making?", "What products does {name} sell?"],
+    ("city", "country"): ["Which country is {name} in?", "In what country does {name} lie?"],
+    ("city", "river"): ["What is the name of the river that flows through {name}?", "Which river runs through {name}?"],
+    ("city", "population"): ["What is the population of {name}?", "How many inhabitants does {name} have?"],
+    ("work", "creator"): ["Who is the author of {name}?", "Who made {name}?"],
+    ("work", "year"): ["When did {name} first appear?", "What year did {name} come out?"],
+    ("work", "setting"): ["Where is {name} set?", "What city does {name} take place in?"],
 }
 
 # (kind, link attribute, target attribute) -> (question, target sentence); {mid} is the linked entity
@@ -281,6 +426,8 @@ def _candidates(world: list[_Entity]) -> dict[str, list[dict]]:
         for (kind, attr), (question, target) in _SINGLE.items():
             if kind != e.kind:
                 continue
+            if e.prose:
+                question = random.Random(f"{e.name}:{attr}").choice([question, *_REPHRASED[(kind, attr)]])
             v = e.facts[attr]
             if _stated(e, attr):
                 out["single"].append(dict(question=question.format(name=e.name), answers=(v,),
@@ -288,6 +435,11 @@ def _candidates(world: list[_Entity]) -> dict[str, list[dict]]:
             elif v.lower() not in e.passage.lower():
                 out["unanswerable"].append(dict(question=question.format(name=e.name), answers=REFUSALS,
                                                 target=UNANSWERABLE_TARGET, gold=(e,), absent=(v,)))
+        for attr, (_, _, question, target) in _EXTRAS[e.kind].items():
+            if attr in e.facts:
+                v = e.facts[attr]
+                out["single"].append(dict(question=question.format(name=e.name), answers=(v,),
+                                          target=target.format(name=e.name, v=v), gold=(e,), absent=(v,)))
         for (kind, link, attr), (question, target) in _BRIDGE.items():
             if kind != e.kind or not _stated(e, link):
                 continue
@@ -311,12 +463,17 @@ def _candidates(world: list[_Entity]) -> dict[str, list[dict]]:
     return out
 
 
-def generate(split: str = "test", n: int = 200, passages: int = 10, noise: float = 0.5, seed: int = 0) -> list[QAExample]:
+def generate(split: str = "test", n: int = 200, passages: int = 10, noise: float = 0.5, seed: int = 0,
+             prose: float = 0.0) -> list[QAExample]:
     """`n` questions of the split, the four types in turn, each with `passages` passages (5-30).
 
     The distractors are passages that do not contain the answer; a share `noise` of them is drawn
     from the whole world, the rest are hard distractors: passages about entities of the same kind
     as the one asked about, which state the same kinds of facts. Same arguments, same questions.
+
+    `prose`: the share of entities whose passage is rewritten as connected prose, with one more fact
+    and their questions asked in other words. Meant for training data; the facts, and every other
+    passage, are the same as without it.
     """
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
@@ -324,9 +481,11 @@ def generate(split: str = "test", n: int = 200, passages: int = 10, noise: float
         raise ValueError(f"passages must be between 5 and 30, got {passages}")
     if not 0.0 <= noise <= 1.0:
         raise ValueError(f"noise must be between 0 and 1, got {noise}")
+    if not 0.0 <= prose <= 1.0:
+        raise ValueError(f"prose must be between 0 and 1, got {prose}")
     if n < 1:
         raise ValueError(f"n must be >= 1, got {n}")
-    world = _build_world(split, seed)
+    world = _build_world(split, seed, prose)
     rng = random.Random(f"kvrag-data-questions:{seed}:{split}:{passages}:{noise}")
     pools = _candidates(world)
     for pool in pools.values():

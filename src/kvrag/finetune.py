@@ -122,7 +122,7 @@ def loss(model, example: TrainingExample) -> torch.Tensor:
 class TrainConfig:
     """What a run trains and how; saved with the adapter so that it can be reproduced."""
 
-    steps: int = 240
+    steps: int = 170
     learning_rate: float = 5e-4
     accumulate: int = 4  # examples per optimizer step
     lora_r: int = 8
