@@ -242,16 +242,20 @@ def _invented(style: random.Random, parts: int = 3) -> str:
     return "".join(style.choice(_ONSETS) + style.choice(_VOWELS) for _ in range(parts)).capitalize()
 
 
+def _invented_person(style: random.Random) -> str:
+    return f"{_invented(style)} {_invented(style)}"
+
+
 # kind -> attribute -> (value maker, sentence, question, target); asked only of prose entities
 _EXTRAS = {
     "person": {
         "nickname": (_invented, "Friends call {short} by the nickname {v}.", "What is {name}'s nickname?",
                      "{name} is nicknamed {v}."),
-        "mentor": (lambda s: f"{_invented(s)} {_invented(s)}", "{short} learned the trade from {v}.",
+        "mentor": (_invented_person, "{short} learned the trade from {v}.",
                    "Who taught {name} the trade?", "{name} learned the trade from {v}."),
     },
     "company": {
-        "chief engineer": (lambda s: f"{_invented(s)} {_invented(s)}", "The chief engineer of {name} is {v}.",
+        "chief engineer": (_invented_person, "The chief engineer of {name} is {v}.",
                            "Who is the chief engineer of {name}?", "The chief engineer of {name} is {v}."),
         "motto": (lambda s: f"{_invented(s, 2)} {_invented(s, 2).lower()}", "The motto of the firm is \"{v}\".",
                   "What is the motto of {name}?", "The motto of {name} is \"{v}\"."),
@@ -260,18 +264,18 @@ _EXTRAS = {
         "local dish": (lambda s: f"{_invented(s).lower()} {s.choice(['stew', 'pie', 'bread', 'soup'])}",
                        "The local dish of {name} is {v}, eaten on feast days.", "What is the local dish of {name}?",
                        "The local dish of {name} is {v}."),
-        "mayor": (lambda s: f"{_invented(s)} {_invented(s)}", "The mayor of {name} is {v}.", "Who is the mayor of {name}?",
+        "mayor": (_invented_person, "The mayor of {name} is {v}.", "Who is the mayor of {name}?",
                   "The mayor of {name} is {v}."),
     },
     "work": {
-        "main character": (lambda s: f"{_invented(s)} {_invented(s)}", "Its main character is {v}.",
+        "main character": (_invented_person, "Its main character is {v}.",
                            "Who is the main character of {name}?", "The main character of {name} is {v}."),
-        "first performer": (lambda s: f"{_invented(s)} {_invented(s)}", "It was first performed by {v}.",
+        "first performer": (_invented_person, "It was first performed by {v}.",
                             "Who first performed {name}?", "{name} was first performed by {v}."),
     },
 }
 
-# kind -> two attributes -> sentences stating both; {ref} refers back to the entity without its name
+# kind -> two attributes -> sentences stating both
 _PAIRS = {
     "person": {
         ("born", "birthplace"): ["Born in {birthplace} in {born}, {short} spent a quiet childhood by the water.",
