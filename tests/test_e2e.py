@@ -115,5 +115,5 @@ def test_blend_moves_the_answer_logits_towards_full(default_engine):
         full, block, blend = (last_logits(question, mode) for mode in ("full", "block", "blend"))
         l2 = {name: (x - full).norm().item() for name, x in (("block", block), ("blend", blend))}
         kl = {name: (full.exp() * (full - x)).sum().item() for name, x in (("block", block), ("blend", blend))}
-        print(f"{question!r}: L2 block {l2['block']:.1f} blend {l2['blend']:.1f}; KL block {kl['block']:.3f} blend {kl['blend']:.3f}")
+        print(f"{question!r}: L2 block {l2['block']:.1f} blend {l2['blend']:.1f}; KL block {kl['block']:.4f} blend {kl['blend']:.4f}")
         assert l2["blend"] < 0.8 * l2["block"] and kl["blend"] < 0.5 * kl["block"]
