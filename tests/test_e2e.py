@@ -73,7 +73,8 @@ def test_demo_runs_offline(capsys):
     answers = {mode: re.findall(rf"^  {mode} +\d+ms  \S", out, re.M) for mode in ("full", "block")}
     assert len(answers["full"]) == len(answers["block"]) == 6  # every sample question, in both modes
     assert "median TTFT speed-up of block over full" in out
-    assert re.search(r"gold answer in them: full [0-6] of 6, block [0-6] of 6", out)
+    # the shipped adapter's scale was chosen so that block mode answers every one of them (README)
+    assert "gold answer in them: full 6 of 6, block 6 of 6" in out
 
 
 def test_demo_asks_other_questions_from_a_file(tmp_path, capsys):

@@ -219,7 +219,7 @@ def test_finetune_command_on_the_default_model(kvrag_home, tmp_path, capsys):
     record = json.loads((out / "training.json").read_text())
     assert record["step"] == 2 and all(v > 0 for v in record["losses"])
     assert record["about"]["dataset"] == {"split": "train", "n": 4, "passages": 5, "noise": 0.5, "seed": 0,
-                                                "prose": 0.5}
+                                          "prose": 0.5}
     assert record["about"]["unanswerable_share"] == 0.05
     tuned = KVEngine.from_pretrained(adapter=out / "adapter")
     assert tuned.fingerprint != KVEngine.shared().fingerprint
