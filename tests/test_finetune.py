@@ -80,7 +80,7 @@ def test_a_few_steps_lower_the_loss_on_a_fixed_batch(make_engine, tmp_path):
 
 
 def test_a_stopped_run_resumes_to_the_same_weights(make_engine, tmp_path, monkeypatch):
-    config = TrainConfig(steps=4, accumulate=1, learning_rate=1e-2, save_every=2, lora_dropout=0.0)
+    config = TrainConfig(steps=4, accumulate=1, learning_rate=1e-2, save_every=2, lora_dropout=0.3)  # dropout: the masks must resume too
 
     def examples(engine):
         return [encode(engine, QUESTION, PASSAGES, ANSWER), encode(engine, "Where is Dranvi?", PASSAGES, "In Brasdra.")]
@@ -111,6 +111,21 @@ def test_a_stopped_run_resumes_to_the_same_weights(make_engine, tmp_path, monkey
             torch.testing.assert_close(p, a[name], rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="other settings"):
         train(make_engine("llama"), examples(resumed), tmp_path / "resumed", TrainConfig(steps=5), progress=False)
+
+
+def test_the_init_seed_decides_the_lora_init_and_dropout(make_engine, tmp_path):
+    def trained(init_seed, name, draws):
+        engine = make_engine("llama")
+        torch.rand(draws)  # what the process drew before must not matter
+        example = encode(engine, QUESTION, PASSAGES, ANSWER)
+        train(engine, [example], tmp_path / name, TrainConfig(steps=2, accumulate=1, lora_dropout=0.3, init_seed=init_seed),
+              progress=False)
+        return {n: p.detach().clone() for n, p in engine.model.named_parameters() if "lora" in n}
+
+    first, again, other = trained(1, "a", 1), trained(1, "b", 5), trained(2, "c", 1)
+    for name, value in first.items():
+        torch.testing.assert_close(again[name], value, rtol=0, atol=0)
+    assert any(not torch.equal(other[name], value) for name, value in first.items())
 
 
 def test_an_adapter_changes_the_fingerprint_and_the_answers(make_engine, tok, tmp_path):

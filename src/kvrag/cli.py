@@ -160,7 +160,7 @@ def cmd_finetune(args):
 
     config = TrainConfig(steps=args.steps, learning_rate=args.lr, accumulate=args.accumulate, lora_r=args.lora_r,
                          lora_alpha=2 * args.lora_r, full=args.full, full_attention_share=args.full_attention_share,
-                         save_every=args.save_every, seed=args.seed)
+                         save_every=args.save_every, seed=args.seed, init_seed=args.init_seed)
     if args.adapter == "auto":  # train from the published weights, not from the shipped adapter
         args.adapter = "none"
     dataset = {"split": "train", "n": args.questions, "passages": args.passages, "noise": args.noise, "seed": args.seed,
@@ -231,7 +231,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--adapter-scale", type=float,
                    help="LoRA scale (alpha/r) to save the adapter at (default: the trained one; the shipped "
                         "adapter's is in its training.json)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="the generated train world and the order of its examples")
+    p.add_argument("--init-seed", type=int,
+                   help="seed for the LoRA initialisation and dropout (default: torch's own start, as the shipped "
+                        "adapter was trained)")
     p.set_defaults(func=cmd_finetune)
 
     p = sub.add_parser("bench", help="benchmarks")

@@ -131,7 +131,10 @@ class TrainConfig:
     full: bool = False  # train every weight instead of LoRA adapters
     full_attention_share: float = 0.0  # share of examples trained with plain causal attention
     save_every: int = 25
-    seed: int = 0
+    seed: int = 0  # the order examples are drawn in
+    # seeds torch for the LoRA init and the dropout masks; None leaves torch's generator as the process
+    # has it, which is how the shipped adapter was trained
+    init_seed: int | None = None
 
 
 def _trainable(model, config: TrainConfig):
@@ -162,6 +165,8 @@ def train(engine, examples: Sequence[TrainingExample], out: str | Path, config: 
         raise ValueError(f"scale applies to a LoRA adapter and must be > 0, got {scale} (full={config.full})")
     out = Path(out)
     checkpoint = out / "checkpoint"
+    if config.init_seed is not None:
+        torch.manual_seed(config.init_seed)
     model = _trainable(engine.model, config)
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
@@ -219,8 +224,12 @@ def _save(checkpoint: Path, model, optimizer, schedule, state: dict, config: Tra
     fresh = checkpoint.with_name(checkpoint.name + ".new")
     fresh.mkdir(parents=True, exist_ok=True)
     trained = {n: p.detach().cpu() for n, p in model.named_parameters() if p.requires_grad}
-    torch.save({"trained": trained, "optimizer": optimizer.state_dict(), "schedule": schedule.state_dict()},
-               fresh / "weights.pt")
+    # the random state too: dropout draws from it, so without it a resumed run would drift from an unbroken one
+    random_state = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        random_state["cuda"] = torch.cuda.get_rng_state_all()
+    torch.save({"trained": trained, "optimizer": optimizer.state_dict(), "schedule": schedule.state_dict(),
+                "random_state": random_state}, fresh / "weights.pt")
     (fresh / "state.json").write_text(json.dumps(state))
     old = checkpoint.with_name(checkpoint.name + ".old")
     if checkpoint.exists():
@@ -241,4 +250,9 @@ def _resume(checkpoint: Path, model, optimizer, schedule, config: TrainConfig) -
             params[name].copy_(value)
     optimizer.load_state_dict(saved["optimizer"])
     schedule.load_state_dict(saved["schedule"])
+    random_state = saved.get("random_state", {})  # absent from checkpoints written before it was saved
+    if "cpu" in random_state:
+        torch.set_rng_state(random_state["cpu"].cpu())
+    if "cuda" in random_state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([s.cpu() for s in random_state["cuda"]])
     return state
