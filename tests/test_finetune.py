@@ -80,7 +80,8 @@ def test_a_few_steps_lower_the_loss_on_a_fixed_batch(make_engine, tmp_path):
 
 
 def test_a_stopped_run_resumes_to_the_same_weights(make_engine, tmp_path, monkeypatch):
-    config = TrainConfig(steps=4, accumulate=1, learning_rate=1e-2, save_every=2, lora_dropout=0.3)  # dropout: the masks must resume too
+    # with dropout, so that the random state must resume too
+    config = TrainConfig(steps=4, accumulate=1, learning_rate=1e-2, save_every=2, lora_dropout=0.3)
 
     def examples(engine):
         return [encode(engine, QUESTION, PASSAGES, ANSWER), encode(engine, "Where is Dranvi?", PASSAGES, "In Brasdra.")]
@@ -118,8 +119,8 @@ def test_the_init_seed_decides_the_lora_init_and_dropout(make_engine, tmp_path):
         engine = make_engine("llama")
         torch.rand(draws)  # what the process drew before must not matter
         example = encode(engine, QUESTION, PASSAGES, ANSWER)
-        train(engine, [example], tmp_path / name, TrainConfig(steps=2, accumulate=1, lora_dropout=0.3, init_seed=init_seed),
-              progress=False)
+        config = TrainConfig(steps=2, accumulate=1, lora_dropout=0.3, init_seed=init_seed)
+        train(engine, [example], tmp_path / name, config, progress=False)
         return {n: p.detach().clone() for n, p in engine.model.named_parameters() if "lora" in n}
 
     first, again, other = trained(1, "a", 1), trained(1, "b", 5), trained(2, "c", 1)
