@@ -131,7 +131,7 @@ class TrainConfig:
     full: bool = False  # train every weight instead of LoRA adapters
     full_attention_share: float = 0.0  # share of examples trained with plain causal attention
     save_every: int = 25
-    seed: int = 0  # the order examples are drawn in
+    seed: int = 0  # the order examples are drawn in (the CLI also draws the full-attention share with it)
     # seeds torch for the LoRA init and the dropout masks; None leaves torch's generator as the process
     # has it, which is how the shipped adapter was trained
     init_seed: int | None = None
