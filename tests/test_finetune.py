@@ -129,6 +129,27 @@ def test_the_init_seed_decides_the_lora_init_and_dropout(make_engine, tmp_path):
     assert any(not torch.equal(other[name], value) for name, value in first.items())
 
 
+def test_a_run_can_continue_from_a_saved_adapter(make_engine, tmp_path):
+    from safetensors.torch import load_file
+
+    def run(out, **settings):
+        engine = make_engine("llama")
+        config = TrainConfig(steps=2, accumulate=1, lora_dropout=0.0, **settings)
+        return train(engine, [encode(engine, QUESTION, PASSAGES, ANSWER)], tmp_path / out, config, progress=False,
+                     scale=0.5) / "adapter_model.safetensors"
+
+    first = load_file(run("first", learning_rate=1e-2))
+    # with no learning rate the continued run keeps exactly what it started from, at its own scale
+    kept = load_file(run("kept", learning_rate=0.0, init_adapter=str(tmp_path / "first" / "adapter")))
+    fresh = load_file(run("fresh", learning_rate=0.0))
+    assert kept.keys() == first.keys()
+    for name, value in first.items():
+        torch.testing.assert_close(kept[name], value, rtol=0, atol=0)
+    assert any(not torch.equal(fresh[name], value) for name, value in first.items())
+    with pytest.raises(ValueError, match="rank-8 adapter.*pass --lora-r 8"):
+        run("rank", lora_r=4, lora_alpha=8, init_adapter=str(tmp_path / "first" / "adapter"))
+
+
 def test_an_adapter_changes_the_fingerprint_and_the_answers(make_engine, tok, tmp_path):
     base = tmp_path / "base"
     tiny_model(tiny_configs(len(tok))["llama"]).save_pretrained(base)

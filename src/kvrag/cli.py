@@ -160,7 +160,8 @@ def cmd_finetune(args):
 
     config = TrainConfig(steps=args.steps, learning_rate=args.lr, accumulate=args.accumulate, lora_r=args.lora_r,
                          lora_alpha=2 * args.lora_r, full=args.full, full_attention_share=args.full_attention_share,
-                         save_every=args.save_every, seed=args.seed, init_seed=args.init_seed)
+                         save_every=args.save_every, seed=args.seed, init_seed=args.init_seed,
+                         init_adapter=args.init_adapter)
     if args.adapter == "auto":  # train from the published weights, not from the shipped adapter
         args.adapter = "none"
     dataset = {"split": "train", "n": args.questions, "passages": args.passages, "noise": args.noise, "seed": args.seed,
@@ -235,6 +236,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--init-seed", type=int,
                    help="seed for the LoRA initialisation and dropout (default: torch's own start, as the shipped "
                         "adapter was trained)")
+    p.add_argument("--init-adapter", help="LoRA adapter directory to continue training from, e.g. the shipped one "
+                                          "(it is trained on at this run's scale, 2 by default)")
     p.set_defaults(func=cmd_finetune)
 
     p = sub.add_parser("bench", help="benchmarks")

@@ -135,6 +135,7 @@ class TrainConfig:
     # seeds torch for the LoRA init and the dropout masks; None leaves torch's generator as the process
     # has it, which is how the shipped adapter was trained
     init_seed: int | None = None
+    init_adapter: str | None = None  # a saved LoRA adapter (same rank) to continue training from
 
 
 def _trainable(model, config: TrainConfig):
@@ -145,7 +146,25 @@ def _trainable(model, config: TrainConfig):
 
     lora = LoraConfig(r=config.lora_r, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
                       target_modules=list(LORA_TARGETS), task_type="CAUSAL_LM")
-    return get_peft_model(model, lora)
+    model = get_peft_model(model, lora)
+    if config.init_adapter:
+        _load_lora_weights(model, Path(config.init_adapter), config)
+    return model
+
+
+def _load_lora_weights(model, adapter: Path, config: TrainConfig) -> None:
+    """Start from a saved adapter's weights, trained on at this run's own scale (lora_alpha / r): an
+    adapter saved at a weaker scale (the shipped one) continues from what its run learned."""
+    from peft import PeftConfig, load_peft_weights, set_peft_model_state_dict
+
+    saved = PeftConfig.from_pretrained(adapter)
+    if saved.r != config.lora_r or set(saved.target_modules) != set(LORA_TARGETS):
+        raise ValueError(f"{adapter} is a rank-{saved.r} adapter of {sorted(saved.target_modules)}; this run trains "
+                         f"rank {config.lora_r} on {sorted(LORA_TARGETS)} (pass --lora-r {saved.r})")
+    result = set_peft_model_state_dict(model, load_peft_weights(str(adapter), device=str(model.device)))
+    missing = [k for k in result.missing_keys if "lora_" in k]
+    if missing or result.unexpected_keys:
+        raise ValueError(f"{adapter} does not fit this model: missing {missing[:3]}, unexpected {result.unexpected_keys[:3]}")
 
 
 def train(engine, examples: Sequence[TrainingExample], out: str | Path, config: TrainConfig | None = None,
