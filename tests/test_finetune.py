@@ -146,6 +146,8 @@ def test_a_run_can_continue_from_a_saved_adapter(make_engine, tmp_path):
     for name, value in first.items():
         torch.testing.assert_close(kept[name], value, rtol=0, atol=0)
     assert any(not torch.equal(fresh[name], value) for name, value in first.items())
+    record = json.loads((tmp_path / "kept" / "training.json").read_text())
+    assert record["about"]["init_adapter_training"] == json.loads((tmp_path / "first" / "training.json").read_text())
     with pytest.raises(ValueError, match="rank-8 adapter.*pass --lora-r 8"):
         run("rank", lora_r=4, lora_alpha=8, init_adapter=str(tmp_path / "first" / "adapter"))
 

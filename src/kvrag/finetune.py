@@ -192,6 +192,8 @@ def train(engine, examples: Sequence[TrainingExample], out: str | Path, config: 
     optimizer = torch.optim.AdamW(params, lr=config.learning_rate, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 20) * max(0.0, 1 - step / config.steps))
     state = {"step": 0, "losses": [], "config": asdict(config), "about": about or {}}
+    if config.init_adapter:  # how the starting point was made, so that the result can be reproduced
+        state["about"]["init_adapter_training"] = _training_record(Path(config.init_adapter))
     previous = checkpoint.with_name(checkpoint.name + ".old")
     if not checkpoint.exists() and previous.exists():  # stopped between the two renames of `_save`
         previous.rename(checkpoint)
@@ -236,6 +238,14 @@ def train(engine, examples: Sequence[TrainingExample], out: str | Path, config: 
     state["seconds_this_run"] = round(time.perf_counter() - started, 1)
     (out / "training.json").write_text(json.dumps(state, indent=1))
     return final
+
+
+def _training_record(adapter: Path) -> dict | None:
+    """The training.json of a saved adapter: beside it (`OUT/adapter`) or inside it (the shipped one)."""
+    for record in (adapter / "training.json", adapter.parent / "training.json"):
+        if record.exists():
+            return json.loads(record.read_text())
+    return None
 
 
 def _save(checkpoint: Path, model, optimizer, schedule, state: dict, config: TrainConfig) -> None:
