@@ -139,7 +139,7 @@ def test_a_run_can_continue_from_a_saved_adapter(make_engine, tmp_path):
                      scale=0.5) / "adapter_model.safetensors"
 
     first = load_file(run("first", learning_rate=1e-2))
-    # with no learning rate the continued run keeps exactly what it started from, at its own scale
+    # with no learning rate the continued run saves exactly the weights it started from
     kept = load_file(run("kept", learning_rate=0.0, init_adapter=str(tmp_path / "first" / "adapter")))
     fresh = load_file(run("fresh", learning_rate=0.0))
     assert kept.keys() == first.keys()

@@ -191,7 +191,7 @@ def train(engine, examples: Sequence[TrainingExample], out: str | Path, config: 
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=config.learning_rate, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 20) * max(0.0, 1 - step / config.steps))
-    state = {"step": 0, "losses": [], "config": asdict(config), "about": about or {}}
+    state = {"step": 0, "losses": [], "config": asdict(config), "about": dict(about or {})}
     if config.init_adapter:  # how the starting point was made, so that the result can be reproduced
         state["about"]["init_adapter_training"] = _training_record(Path(config.init_adapter))
     previous = checkpoint.with_name(checkpoint.name + ".old")
