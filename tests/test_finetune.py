@@ -61,6 +61,20 @@ def test_loss_counts_only_the_answer(make_engine):
         torch.testing.assert_close(loss(engine.model, example), expected)
 
 
+def test_distillation_adds_block_modes_divergence_from_full_mode(make_engine):
+    """With `distill`, a block example's loss adds the weighted KL(full || block) over the question and
+    answer positions; a plain-attention example has nothing to be pulled toward."""
+    engine = make_engine("llama")
+    block, plain = (encode(engine, QUESTION, PASSAGES, ANSWER, full_attention=f) for f in (False, True))
+    last = slice(len(block.ids) - block.lengths[-1], len(block.ids) - 1)
+    student, teacher = (_forward(engine.model, e)[last].log_softmax(-1) for e in (block, plain))
+    divergence = (teacher.exp() * (teacher - student)).sum(-1).mean()
+    assert divergence > 1e-4
+    with torch.no_grad():
+        torch.testing.assert_close(loss(engine.model, block, distill=2.0), loss(engine.model, block) + 2.0 * divergence)
+        torch.testing.assert_close(loss(engine.model, plain, distill=2.0), loss(engine.model, plain))
+
+
 def test_a_few_steps_lower_the_loss_on_a_fixed_batch(make_engine, tmp_path):
     engine = make_engine("llama")
     batch = [encode(engine, QUESTION, PASSAGES, ANSWER), encode(engine, "What does Lailgro Works make?", PASSAGES, "Rope.")]
@@ -92,11 +106,11 @@ def test_a_stopped_run_resumes_to_the_same_weights(make_engine, tmp_path, monkey
     calls = {"n": 0}
     real_loss = ft.loss
 
-    def failing(model, example):
+    def failing(model, example, distill):
         calls["n"] += 1
         if calls["n"] == 4:  # during the 4th step: the checkpoint of step 2 is the last one written
             raise KeyboardInterrupt
-        return real_loss(model, example)
+        return real_loss(model, example, distill)
 
     stopped = make_engine("llama")
     monkeypatch.setattr(ft, "loss", failing)

@@ -161,7 +161,7 @@ def cmd_finetune(args):
     config = TrainConfig(steps=args.steps, learning_rate=args.lr, accumulate=args.accumulate, lora_r=args.lora_r,
                          lora_alpha=2 * args.lora_r, full=args.full, full_attention_share=args.full_attention_share,
                          save_every=args.save_every, seed=args.seed, init_seed=args.init_seed,
-                         init_adapter=args.init_adapter)
+                         init_adapter=args.init_adapter, distill=args.distill)
     if args.adapter == "auto":  # train from the published weights, not from the shipped adapter
         args.adapter = "none"
     dataset = {"split": "train", "n": args.questions, "passages": args.passages, "noise": args.noise, "seed": args.seed,
@@ -238,6 +238,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "adapter was trained)")
     p.add_argument("--init-adapter", help="LoRA adapter directory to continue training from, e.g. the shipped one "
                                           "(it is trained on at this run's scale, 2 by default)")
+    p.add_argument("--distill", type=float, default=TrainConfig.distill,
+                   help="weight of a term pulling block mode's predictions toward full mode's (same model, same "
+                        "passages) on the question and answer; 0: off")
     p.set_defaults(func=cmd_finetune)
 
     p = sub.add_parser("bench", help="benchmarks")

@@ -103,19 +103,44 @@ def training_examples(engine, qa_examples, full_attention_share: float = 0.0, se
             for q in qa_examples]
 
 
-def loss(model, example: TrainingExample) -> torch.Tensor:
+def loss(model, example: TrainingExample, distill: float = 0.0) -> torch.Tensor:
     """Mean cross-entropy of the answer tokens, each predicted from everything before it.
 
     Only the positions that predict an answer token go through the output layer, which holds a fifth
-    of the default model's weights (a 49K-token vocabulary): the prompt's logits would be wasted work."""
+    of the default model's weights (a 49K-token vocabulary): the prompt's logits would be wasted work.
+
+    `distill` > 0 adds, for a block-attention example, that weight times the KL divergence from the
+    same model's plain-attention predictions (no gradient through them) over the question and answer:
+    block mode is pulled toward what full mode reads from the same passages, not only toward the gold
+    answer."""
     device = model.device
+    n = len(example.ids)
     ids = torch.tensor([example.ids], device=device)
-    positions = torch.arange(len(example.ids), device=device)[None]
+    positions = torch.arange(n, device=device)[None]
     first = next(i for i, label in enumerate(example.labels) if label != IGNORE)
+    distilled = distill > 0 and len(example.lengths) > 1
+    start = n - example.lengths[-1] if distilled else first - 1  # first position whose logits are needed
     out = model(input_ids=ids, position_ids=positions, attention_mask=example.mask(model.dtype, device),
-                logits_to_keep=len(example.ids) - first + 1)
+                logits_to_keep=n - start)
+    logits = out.logits[0, :-1].float()  # positions start .. n-2, each predicting the token after it
     labels = torch.tensor(example.labels[first:], device=device)
-    return torch.nn.functional.cross_entropy(out.logits[0, :-1].float(), labels, ignore_index=IGNORE)
+    value = torch.nn.functional.cross_entropy(logits[first - 1 - start:], labels, ignore_index=IGNORE)
+    if distilled:
+        value = value + distill * _divergence_from_full_attention(model, ids, positions, logits, n - start)
+    return value
+
+
+def _divergence_from_full_attention(model, ids, positions, logits, kept: int) -> torch.Tensor:
+    """Mean KL(full || block) per position of the last block, full mode's predictions held fixed
+    (dropout off, so that the target is the model as inference runs it)."""
+    training = model.training
+    model.eval()
+    with torch.no_grad():
+        causal = attention_mask([ids.shape[1]], model.dtype, model.device)
+        target = model(input_ids=ids, position_ids=positions, attention_mask=causal, logits_to_keep=kept).logits[0, :-1]
+    model.train(training)
+    return torch.nn.functional.kl_div(logits.log_softmax(-1), target.float().log_softmax(-1), log_target=True,
+                                      reduction="batchmean")
 
 
 @dataclass
@@ -136,6 +161,7 @@ class TrainConfig:
     # has it, which is how the shipped adapter was trained
     init_seed: int | None = None
     init_adapter: str | None = None  # a saved LoRA adapter (same rank) to continue training from
+    distill: float = 0.0  # weight of block mode's divergence from full mode's predictions (`loss`)
 
 
 def _trainable(model, config: TrainConfig):
@@ -208,7 +234,7 @@ def train(engine, examples: Sequence[TrainingExample], out: str | Path, config: 
         step = state["step"]
         total = 0.0
         for k in range(config.accumulate):
-            value = loss(model, examples[draws[step * config.accumulate + k]]) / config.accumulate
+            value = loss(model, examples[draws[step * config.accumulate + k]], config.distill) / config.accumulate
             value.backward()
             total += value.item()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
