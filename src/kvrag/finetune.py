@@ -126,18 +126,19 @@ def loss(model, example: TrainingExample, distill: float = 0.0) -> torch.Tensor:
     labels = torch.tensor(example.labels[first:], device=device)
     value = torch.nn.functional.cross_entropy(logits[first - 1 - start:], labels, ignore_index=IGNORE)
     if distilled:
-        value = value + distill * _divergence_from_full_attention(model, ids, positions, logits, n - start)
+        value = value + distill * _divergence_from_full_attention(model, ids, positions, logits)
     return value
 
 
-def _divergence_from_full_attention(model, ids, positions, logits, kept: int) -> torch.Tensor:
+def _divergence_from_full_attention(model, ids, positions, logits) -> torch.Tensor:
     """Mean KL(full || block) per position of the last block, full mode's predictions held fixed
     (dropout off, so that the target is the model as inference runs it)."""
     training = model.training
     model.eval()
     with torch.no_grad():
         causal = attention_mask([ids.shape[1]], model.dtype, model.device)
-        target = model(input_ids=ids, position_ids=positions, attention_mask=causal, logits_to_keep=kept).logits[0, :-1]
+        target = model(input_ids=ids, position_ids=positions, attention_mask=causal,
+                       logits_to_keep=len(logits) + 1).logits[0, :-1]
     model.train(training)
     return torch.nn.functional.kl_div(logits.log_softmax(-1), target.float().log_softmax(-1), log_target=True,
                                       reduction="batchmean")
