@@ -297,7 +297,8 @@ def _save(checkpoint: Path, model, optimizer, schedule, state: dict, config: Tra
 
 def _resume(checkpoint: Path, model, optimizer, schedule, config: TrainConfig) -> dict:
     state = json.loads((checkpoint / "state.json").read_text())
-    if state["config"] != asdict(config):
+    # a setting added after the checkpoint was written is at its default there, which is what that run did
+    if asdict(TrainConfig()) | state["config"] != asdict(config):
         raise ValueError(f"{checkpoint} was written by a run with other settings: {state['config']}")
     saved = torch.load(checkpoint / "weights.pt", map_location=model.device)
     params = dict(model.named_parameters())
