@@ -9,7 +9,8 @@ from kvrag import chains, data
 from kvrag.bench import flops_to_first_token, layer_flops
 from kvrag.cli import main
 from kvrag.errors import KVRagError
-from kvrag.evaluate import METHODS, RUNNERS, Record, evaluate, flops_generation, format_table, plot, summarize
+from kvrag.evaluate import (METHODS, RUNNERS, Record, against_full, evaluate, flops_generation, format_against_full, format_table,
+                            plot, summarize)
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -92,6 +93,18 @@ def test_summary_counts_by_type_and_against_full():
     assert table[0].startswith("| method | n | single | bridge | comparison | unanswerable | average | F1 | TTFT ms")
     assert table[2] == "| full | 4 | 100.0 | 0.0 | 100.0 | - | 75.0 | 50.0 | 2000 | 4.00 | 1.0x | 1.0 |"
     assert table[3].startswith("| block | 2 | 0.0 | 100.0 | - | - | 50.0 | 50.0 | 100 | 0.20 | 20.0x |")
+
+
+def test_gap_to_full_is_paired_per_question_with_an_interval():
+    answers = {"full": [True, True, False, False], "block": [False, False, False, False], "blend": [True, True, False, True]}
+    records = [Record(m, f"q{i}", "single", "q", "out", c, 0.0, 1.0, 1.0, 1e9, 100)
+               for m, cs in answers.items() for i, c in enumerate(cs)]
+    records.append(Record("block", "only-block", "single", "q", "out", True, 0.0, 1.0, 1.0, 1e9, 100))  # no full answer: left out
+    (block, n, diff, half), (blend, _, blend_diff, _) = against_full(records)
+    assert (block, n, diff, blend, blend_diff) == ("block", 4, -0.5, "blend", 0.25)
+    assert half == pytest.approx(1.96 * (1 / 3) ** 0.5 / 2)  # differences -1, -1, 0, 0: sample sd sqrt(1/3)
+    assert format_against_full(records).splitlines()[0] == "block - full: -50.0 ± 56.6 points (95% interval, 4 paired questions)"
+    assert format_against_full([r for r in records if r.method != "full"]) == ""
 
 
 def test_plot_writes_a_png(tmp_path):

@@ -133,7 +133,7 @@ def cmd_bench(args):
 
 def cmd_bench_accuracy(args):
     from . import data
-    from .evaluate import check_methods, evaluate, format_table, plot, summarize
+    from .evaluate import check_methods, evaluate, format_against_full, format_table, plot, summarize
 
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     check_methods(methods)
@@ -147,6 +147,8 @@ def cmd_bench_accuracy(args):
     print(f"\n{len(examples)} {args.split} questions x {args.passages} passages (noise {args.noise}, seed {args.seed}); "
           "accuracy (%) per question type: a gold answer appears in the output")
     print(format_table(summarize(records)))
+    if gaps := format_against_full(records):
+        print(f"\n{gaps}")
     print(f"\nanswers: {results}")
     if args.plot != "":
         print(f"plot: {plot(records, args.plot or results.with_suffix('.png'))}")
