@@ -161,6 +161,9 @@ def test_bench_accuracy_smoke_on_the_default_model(kvrag_home, tmp_path, capsys)
         for value in cells[2:8]:  # accuracy per type, average, F1
             assert value == "-" or 0.0 <= float(value) <= 100.0
         assert float(cells[8]) > 0  # TTFT ms
+    gaps = [line for line in out.splitlines() if " - full: " in line]
+    assert [line.split(" - full: ")[0] for line in gaps] == [m for m in METHODS if m != "full"]
+    assert all(line.endswith("(95% interval, 4 paired questions)") for line in gaps)
     assert png.read_bytes()[:8] == PNG
     records = [json.loads(line) for line in results.read_text().splitlines()[1:]]
     assert len(records) == 4 * len(METHODS)
