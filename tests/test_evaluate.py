@@ -97,9 +97,8 @@ def test_summary_counts_by_type_and_against_full():
 
 def test_gap_to_full_is_paired_per_question_with_an_interval():
     answers = {"full": [True, True, False, False], "block": [False, False, False, False], "blend": [True, True, False, True]}
-    records = [Record(m, f"q{i}", "single", "q", "out", c, 0.0, 1.0, 1.0, 1e9, 100)
-               for m, cs in answers.items() for i, c in enumerate(cs)]
-    records.append(Record("block", "only-block", "single", "q", "out", True, 0.0, 1.0, 1.0, 1e9, 100))  # no full answer: left out
+    records = [_record(m, "single", c, ttft=i) for m, cs in answers.items() for i, c in enumerate(cs)]  # id: question i
+    records.append(_record("block", "single", True, ttft=9))  # no full answer: left out
     (block, n, diff, half), (blend, _, blend_diff, _) = against_full(records)
     assert (block, n, diff, blend, blend_diff) == ("block", 4, -0.5, "blend", 0.25)
     assert half == pytest.approx(1.96 * (1 / 3) ** 0.5 / 2)  # differences -1, -1, 0, 0: sample sd sqrt(1/3)
