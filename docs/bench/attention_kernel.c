@@ -1,0 +1,209 @@
+// Block mode's attention as one hand-written kernel, for the experiment in attention_kernel.py.
+//
+// n question tokens attend to `past` cached keys (all visible) and to their own n keys (causal).
+// Grouped-query heads are folded into rows, so one kv head serves R = group * n rows and row r is
+// question token r % n. Online softmax (flash attention) over tiles of 128 keys; the scores of 6
+// rows x 64 keys and the output of 6 rows x 64 dims each stay in 24 AVX-512 registers.
+// float32, head_dim 64, x86-64 with AVX-512F; built with gcc -O3 -march=native -fopenmp.
+#include <immintrin.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define D 64   // head_dim
+#define T 128  // keys per tile
+#define RB 6   // rows per register block
+
+static inline __m512 exp512(__m512 x) {  // 2^(x log2 e): degree-7 Taylor of 2^f on [-0.5, 0.5], error < 1e-8
+    x = _mm512_max_ps(x, _mm512_set1_ps(-100.f));
+    __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+    __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 f = _mm512_sub_ps(t, n);
+    __m512 p = _mm512_set1_ps(1.525273e-05f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.540353e-04f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558e-03f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618129e-03f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-02f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-01f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-01f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+// dst[j * ld + i] = src[i * ls + j] for a 16 x 16 block, in registers
+static inline void transpose16(const float* src, long ls, float* dst, long ld) {
+    __m512 r[16], t[16];
+    for (int i = 0; i < 16; i++) r[i] = _mm512_loadu_ps(src + i * ls);
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) {
+        r[4 * i + 0] = _mm512_shuffle_ps(t[4 * i + 0], t[4 * i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+        r[4 * i + 1] = _mm512_shuffle_ps(t[4 * i + 0], t[4 * i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+        r[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+        r[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+    }
+    for (int i = 0; i < 2; i++)
+        for (int j = 0; j < 4; j++) {
+            t[8 * i + j] = _mm512_shuffle_f32x4(r[8 * i + j], r[8 * i + 4 + j], 0x88);
+            t[8 * i + 4 + j] = _mm512_shuffle_f32x4(r[8 * i + j], r[8 * i + 4 + j], 0xdd);
+        }
+    for (int j = 0; j < 8; j++) {
+        r[j] = _mm512_shuffle_f32x4(t[j], t[8 + j], 0x88);
+        r[8 + j] = _mm512_shuffle_f32x4(t[j], t[8 + j], 0xdd);
+    }
+    for (int i = 0; i < 16; i++) _mm512_storeu_ps(dst + i * ld, r[i]);
+}
+
+// s[RB][T] = scale * q[RB][D] . kt[D][T]
+static inline void scores(const float* q, const float* kt, float* s, float scale) {
+    __m512 acc[RB][4];
+    for (int r = 0; r < RB; r++) for (int j = 0; j < 4; j++) acc[r][j] = _mm512_setzero_ps();
+    for (int d = 0; d < D; d++) {
+        __m512 k0 = _mm512_load_ps(kt + d * T), k1 = _mm512_load_ps(kt + d * T + 16);
+        __m512 k2 = _mm512_load_ps(kt + d * T + 32), k3 = _mm512_load_ps(kt + d * T + 48);
+        for (int r = 0; r < RB; r++) {
+            __m512 b = _mm512_set1_ps(q[r * D + d]);
+            acc[r][0] = _mm512_fmadd_ps(b, k0, acc[r][0]);
+            acc[r][1] = _mm512_fmadd_ps(b, k1, acc[r][1]);
+            acc[r][2] = _mm512_fmadd_ps(b, k2, acc[r][2]);
+            acc[r][3] = _mm512_fmadd_ps(b, k3, acc[r][3]);
+        }
+    }
+    __m512 sc = _mm512_set1_ps(scale);
+    for (int r = 0; r < RB; r++)
+        for (int j = 0; j < 4; j++) _mm512_store_ps(s + r * T + j * 16, _mm512_mul_ps(acc[r][j], sc));
+}
+
+// o[RB][D] += p[RB][:nt] . v[:nt][D]
+static inline void values(const float* p, const float* v, int nt, float* o) {
+    __m512 acc[RB][4];
+    for (int r = 0; r < RB; r++) for (int j = 0; j < 4; j++) acc[r][j] = _mm512_load_ps(o + r * D + j * 16);
+    for (int t = 0; t < nt; t++) {
+        const float* vr = v + t * D;
+        __m512 v0 = _mm512_loadu_ps(vr), v1 = _mm512_loadu_ps(vr + 16);
+        __m512 v2 = _mm512_loadu_ps(vr + 32), v3 = _mm512_loadu_ps(vr + 48);
+        for (int r = 0; r < RB; r++) {
+            __m512 b = _mm512_set1_ps(p[r * T + t]);
+            acc[r][0] = _mm512_fmadd_ps(b, v0, acc[r][0]);
+            acc[r][1] = _mm512_fmadd_ps(b, v1, acc[r][1]);
+            acc[r][2] = _mm512_fmadd_ps(b, v2, acc[r][2]);
+            acc[r][3] = _mm512_fmadd_ps(b, v3, acc[r][3]);
+        }
+    }
+    for (int r = 0; r < RB; r++) for (int j = 0; j < 4; j++) _mm512_store_ps(o + r * D + j * 16, acc[r][j]);
+}
+
+// q: [heads][rows][D], rows a multiple of RB (padding rows are computed and ignored).
+// k, v: [heads] of [past + n][D], heads `head_stride` floats apart. out: [heads][rows][D].
+// kt: scratch of heads * ceil((past + n) / T) * D * T floats. Each kv head's rows are split into
+// `tasks_per_head` parallel tasks.
+void attend(const float* q, const float* k, const float* v, float* out, int heads, int rows, int n, int past,
+            long head_stride, float scale, float* kt_all, int tasks_per_head) {
+    int L = past + n, tiles = (L + T - 1) / T;
+    #pragma omp parallel for schedule(static)
+    for (int ht = 0; ht < heads * tiles; ht++) {  // keys transposed per tile, zero past the end
+        int h = ht / tiles, t0 = (ht % tiles) * T, nt = L - t0 < T ? L - t0 : T;
+        float* kt = kt_all + (long)ht * D * T;
+        const float* kh = k + h * head_stride + (long)t0 * D;
+        if (nt == T) {
+            for (int tb = 0; tb < T; tb += 16)
+                for (int db = 0; db < D; db += 16) transpose16(kh + tb * D + db, D, kt + db * T + tb, T);
+        } else {
+            for (int t = 0; t < T; t++)
+                for (int d = 0; d < D; d++) kt[d * T + t] = t < nt ? kh[t * D + d] : 0.f;
+        }
+    }
+    int blocks = rows / RB, per = (blocks + tasks_per_head - 1) / tasks_per_head;
+    #pragma omp parallel
+    {
+        float* s = aligned_alloc(64, sizeof(float) * per * RB * T);
+        float* o = aligned_alloc(64, sizeof(float) * per * RB * D);
+        float* m = malloc(sizeof(float) * per * RB);
+        float* l = malloc(sizeof(float) * per * RB);
+        #pragma omp for schedule(static)
+        for (int task = 0; task < heads * tasks_per_head; task++) {
+            int h = task / tasks_per_head, b0 = (task % tasks_per_head) * per;
+            int b1 = b0 + per < blocks ? b0 + per : blocks;
+            int r0 = b0 * RB, nr = (b1 - b0) * RB;
+            if (nr <= 0) continue;
+            const float* qh = q + ((long)h * rows + r0) * D;
+            memset(o, 0, sizeof(float) * nr * D);
+            for (int r = 0; r < nr; r++) { m[r] = -INFINITY; l[r] = 0.f; }
+            for (int tile = 0; tile < tiles; tile++) {
+                int t0 = tile * T, nt = L - t0 < T ? L - t0 : T;
+                const float* kt = kt_all + ((long)h * tiles + tile) * D * T;
+                for (int b = 0; b < nr; b += RB)
+                    for (int half = 0; half < T; half += 64) scores(qh + b * D, kt + half, s + b * T + half, scale);
+                int masked = t0 + T > past;  // the tile reaches the question's own keys or the end
+                for (int r = 0; r < nr; r++) {
+                    float* sr = s + r * T;
+                    if (masked) {
+                        int i = (r0 + r) % n;
+                        for (int t = 0; t < T; t++) {
+                            int key = t0 + t;
+                            if (key >= L || (key >= past && key - past > i)) sr[t] = -INFINITY;
+                        }
+                    }
+                    __m512 mx = _mm512_load_ps(sr);
+                    for (int j = 16; j < T; j += 16) mx = _mm512_max_ps(mx, _mm512_load_ps(sr + j));
+                    float tile_max = _mm512_reduce_max_ps(mx), m_new = tile_max > m[r] ? tile_max : m[r];
+                    float alpha = m[r] == -INFINITY ? 0.f : expf(m[r] - m_new);
+                    __m512 mn = _mm512_set1_ps(m_new), sum = _mm512_setzero_ps(), neg_inf = _mm512_set1_ps(-INFINITY);
+                    for (int j = 0; j < T; j += 16) {
+                        __m512 x = _mm512_load_ps(sr + j), e = exp512(_mm512_sub_ps(x, mn));
+                        if (masked) e = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, neg_inf, _CMP_NEQ_OQ), e);
+                        _mm512_store_ps(sr + j, e);
+                        sum = _mm512_add_ps(sum, e);
+                    }
+                    l[r] = l[r] * alpha + _mm512_reduce_add_ps(sum);
+                    m[r] = m_new;
+                    if (alpha != 1.f) {
+                        __m512 a = _mm512_set1_ps(alpha);
+                        for (int j = 0; j < D; j += 16)
+                            _mm512_store_ps(o + r * D + j, _mm512_mul_ps(_mm512_load_ps(o + r * D + j), a));
+                    }
+                }
+                const float* vt = v + h * head_stride + (long)t0 * D;
+                for (int b = 0; b < nr; b += RB) values(s + b * T, vt, nt, o + b * D);
+            }
+            float* oh = out + ((long)h * rows + r0) * D;
+            for (int r = 0; r < nr; r++) {
+                __m512 inv = _mm512_set1_ps(1.f / l[r]);
+                for (int j = 0; j < D; j += 16)
+                    _mm512_storeu_ps(oh + r * D + j, _mm512_mul_ps(_mm512_load_ps(o + r * D + j), inv));
+            }
+        }
+        free(s); free(o); free(m); free(l);
+    }
+}
+
+// Writes one cached block into the request's buffers in a single pass: float16 keys rotated by the
+// block's position delta (cos/sin per frequency, transformers' rotate_half pairing of i and i + 32)
+// and float16 values, both converted to float32. k16, v16: [groups][n][D] contiguous, one group per
+// (layer, kv head); kout, vout: the same groups, `group_stride` floats apart.
+void fill_block(const unsigned short* k16, const unsigned short* v16, float* kout, float* vout, int groups, int n,
+                long group_stride, const float* cos, const float* sin) {
+    __m512 c0 = _mm512_loadu_ps(cos), c1 = _mm512_loadu_ps(cos + 16);
+    __m512 s0 = _mm512_loadu_ps(sin), s1 = _mm512_loadu_ps(sin + 16);
+    #pragma omp parallel for schedule(static)
+    for (int g = 0; g < groups; g++) {
+        for (int t = 0; t < n; t++) {
+            const unsigned short* kr = k16 + ((long)g * n + t) * D;
+            const unsigned short* vr = v16 + ((long)g * n + t) * D;
+            float* ko = kout + g * group_stride + (long)t * D;
+            float* vo = vout + g * group_stride + (long)t * D;
+            __m512 k0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)kr));
+            __m512 k1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(kr + 16)));
+            __m512 k2 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(kr + 32)));
+            __m512 k3 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(kr + 48)));
+            _mm512_storeu_ps(ko, _mm512_fnmadd_ps(k2, s0, _mm512_mul_ps(k0, c0)));
+            _mm512_storeu_ps(ko + 16, _mm512_fnmadd_ps(k3, s1, _mm512_mul_ps(k1, c1)));
+            _mm512_storeu_ps(ko + 32, _mm512_fmadd_ps(k0, s0, _mm512_mul_ps(k2, c0)));
+            _mm512_storeu_ps(ko + 48, _mm512_fmadd_ps(k1, s1, _mm512_mul_ps(k3, c1)));
+            for (int j = 0; j < D; j += 16)
+                _mm512_storeu_ps(vo + j, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(vr + j))));
+        }
+    }
+}
