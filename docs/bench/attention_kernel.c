@@ -56,6 +56,14 @@ static inline void transpose16(const float* src, long ls, float* dst, long ld) {
     for (int i = 0; i < 16; i++) _mm512_storeu_ps(dst + i * ld, r[i]);
 }
 
+// acc[0:4] += b * x[0:4]: one row of a register block, 64 floats wide
+static inline void fma_row(__m512 acc[4], __m512 b, __m512 x0, __m512 x1, __m512 x2, __m512 x3) {
+    acc[0] = _mm512_fmadd_ps(b, x0, acc[0]);
+    acc[1] = _mm512_fmadd_ps(b, x1, acc[1]);
+    acc[2] = _mm512_fmadd_ps(b, x2, acc[2]);
+    acc[3] = _mm512_fmadd_ps(b, x3, acc[3]);
+}
+
 // s[RB][T] = scale * q[RB][D] . kt[D][T]
 static inline void scores(const float* q, const float* kt, float* s, float scale) {
     __m512 acc[RB][4];
@@ -63,13 +71,7 @@ static inline void scores(const float* q, const float* kt, float* s, float scale
     for (int d = 0; d < D; d++) {
         __m512 k0 = _mm512_load_ps(kt + d * T), k1 = _mm512_load_ps(kt + d * T + 16);
         __m512 k2 = _mm512_load_ps(kt + d * T + 32), k3 = _mm512_load_ps(kt + d * T + 48);
-        for (int r = 0; r < RB; r++) {
-            __m512 b = _mm512_set1_ps(q[r * D + d]);
-            acc[r][0] = _mm512_fmadd_ps(b, k0, acc[r][0]);
-            acc[r][1] = _mm512_fmadd_ps(b, k1, acc[r][1]);
-            acc[r][2] = _mm512_fmadd_ps(b, k2, acc[r][2]);
-            acc[r][3] = _mm512_fmadd_ps(b, k3, acc[r][3]);
-        }
+        for (int r = 0; r < RB; r++) fma_row(acc[r], _mm512_set1_ps(q[r * D + d]), k0, k1, k2, k3);
     }
     __m512 sc = _mm512_set1_ps(scale);
     for (int r = 0; r < RB; r++)
@@ -84,13 +86,7 @@ static inline void values(const float* p, const float* v, int nt, float* o) {
         const float* vr = v + t * D;
         __m512 v0 = _mm512_loadu_ps(vr), v1 = _mm512_loadu_ps(vr + 16);
         __m512 v2 = _mm512_loadu_ps(vr + 32), v3 = _mm512_loadu_ps(vr + 48);
-        for (int r = 0; r < RB; r++) {
-            __m512 b = _mm512_set1_ps(p[r * T + t]);
-            acc[r][0] = _mm512_fmadd_ps(b, v0, acc[r][0]);
-            acc[r][1] = _mm512_fmadd_ps(b, v1, acc[r][1]);
-            acc[r][2] = _mm512_fmadd_ps(b, v2, acc[r][2]);
-            acc[r][3] = _mm512_fmadd_ps(b, v3, acc[r][3]);
-        }
+        for (int r = 0; r < RB; r++) fma_row(acc[r], _mm512_set1_ps(p[r * T + t]), v0, v1, v2, v3);
     }
     for (int r = 0; r < RB; r++) for (int j = 0; j < 4; j++) _mm512_store_ps(o + r * D + j * 16, acc[r][j]);
 }
