@@ -1,4 +1,4 @@
-// Block mode's attention as one hand-written kernel, for the experiment in attention_kernel.py.
+// Block mode's attention and block fill as hand-written kernels, for the experiment in attention_kernel.py.
 //
 // n question tokens attend to `past` cached keys (all visible) and to their own n keys (causal).
 // Grouped-query heads are folded into rows, so one kv head serves R = group * n rows and row r is
@@ -14,7 +14,7 @@
 #define T 128  // keys per tile
 #define RB 6   // rows per register block
 
-static inline __m512 exp512(__m512 x) {  // 2^(x log2 e): degree-7 Taylor of 2^f on [-0.5, 0.5], error < 1e-8
+static inline __m512 exp512(__m512 x) {  // 2^(x log2 e): degree-7 Taylor of 2^f on [-0.5, 0.5], truncation < 1e-8
     x = _mm512_max_ps(x, _mm512_set1_ps(-100.f));
     __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
     __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
