@@ -2,7 +2,7 @@ import pytest
 import torch
 from tiny import tiny_configs, tiny_model, tiny_tokenizer
 
-ARCHS = ["llama", "mistral", "qwen2", "qwen3", "llama3-scaled", "qwen2-yarn"]
+ARCHS = ["llama", "mistral", "qwen2", "qwen3", "llama3-scaled", "qwen2-yarn", "llama-head64"]
 
 
 @pytest.fixture(scope="session")

@@ -64,6 +64,8 @@ def tiny_configs(vocab: int = 400) -> dict:
         "mistral": MistralConfig(**c, sliding_window=None),
         "qwen2": Qwen2Config(**c),
         "qwen3": Qwen3Config(**c, head_dim=16),
+        # SmolLM2's head shape (head_dim 64, three query heads per kv head): where kvrag.kernels apply
+        "llama-head64": LlamaConfig(**{**c, "hidden_size": 192, "num_attention_heads": 3, "num_key_value_heads": 1}),
         "llama3-scaled": LlamaConfig(
             **c,
             rope_parameters={

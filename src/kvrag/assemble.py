@@ -5,6 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import kernels
 from .rope import delta_cos_sin, shift_keys
 from .store import KVBlock
 
@@ -17,16 +18,21 @@ class Piece:
 
 def fill(workspace, pieces: list[Piece], inv_freq: torch.Tensor) -> int:
     """Copy the pieces' KV into consecutive workspace slots; return the number of slots filled."""
-    slot = 0
+    slot, lib = 0, kernels.library()
     for piece in pieces:
         block, n = piece.block, len(piece.block)
         keys = workspace.keys[:, 0, :, slot : slot + n]  # [layers, kv_heads, n, head_dim]
+        values = workspace.values[:, 0, :, slot : slot + n]
         delta = piece.position - block.start
-        if delta == 0:
-            keys.copy_(block.keys)
+        if lib and kernels.fill_applies(block.keys, block.values, keys, values):
+            cos, sin = delta_cos_sin(torch.tensor([delta]), inv_freq, torch.float32)
+            kernels.fill_block(lib, block.keys, block.values, keys, values, cos, sin)
         else:
-            cos, sin = delta_cos_sin(torch.tensor([delta]), inv_freq, workspace.keys.dtype)
-            shift_keys(block.keys, cos.to(keys.device), sin.to(keys.device), out=keys)
-        workspace.values[:, 0, :, slot : slot + n].copy_(block.values)
+            if delta == 0:
+                keys.copy_(block.keys)
+            else:
+                cos, sin = delta_cos_sin(torch.tensor([delta]), inv_freq, workspace.keys.dtype)
+                shift_keys(block.keys, cos.to(keys.device), sin.to(keys.device), out=keys)
+            values.copy_(block.values)
         slot += n
     return slot

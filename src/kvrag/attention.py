@@ -5,12 +5,16 @@ is passed, which copies the whole cache once per layer; with cached passages the
 passed, so that copy dominated time to first token. `enable_gqa` reads the grouped heads in
 place and is exact. Queries that follow cached keys must come with an explicit mask: relying on
 `is_causal` there silently aligns the causal triangle to the wrong corner (TurboRAG's bug).
+A question after cached keys, under the mask `causal_mask` makes, goes to the C kernel of
+`kernels.py` where it applies: on CPU that attention is most of block mode's time.
 """
 
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+from . import kernels
 
 NAME = "kvrag_sdpa"
 
@@ -20,6 +24,11 @@ QUERY_CHUNK = 64
 
 def grouped_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
     q_len, kv_len = query.shape[2], key.shape[2]
+    lib = kernels.library()
+    question_after_cache = getattr(attention_mask, "past", None) == kv_len - q_len and not dropout
+    if lib and question_after_cache and kernels.attention_applies(query, key, value):
+        out = kernels.attend(lib, query, key, value, scaling or query.shape[-1] ** -0.5)
+        return out.transpose(1, 2).contiguous(), None
     if attention_mask is None and q_len > 1 and q_len != kv_len:
         raise RuntimeError(f"{q_len} queries after {kv_len - q_len} cached keys need an explicit attention mask")
     if attention_mask is not None and attention_mask.dtype != torch.bool:
@@ -55,7 +64,11 @@ ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, sdpa_mask)
 
 
 def causal_mask(new: int, past: int, dtype: torch.dtype, device=None) -> torch.Tensor:
-    """Additive [1, 1, new, past + new] mask: every new token sees all past tokens and earlier new ones."""
+    """Additive [1, 1, new, past + new] mask: every new token sees all past tokens and earlier new ones.
+
+    It records `past`, so that attention can run a kernel that knows this pattern without reading it."""
     mask = torch.zeros(new, past + new, dtype=dtype, device=device)
     mask[:, past:] = torch.triu(torch.full((new, new), torch.finfo(dtype).min, dtype=dtype, device=device), 1)
-    return mask[None, None]
+    mask = mask[None, None]
+    mask.past = past
+    return mask

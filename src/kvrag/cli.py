@@ -122,11 +122,13 @@ def cmd_demo(args):
 
 
 def cmd_bench(args):
+    from . import kernels
     from .bench import HEADER, QUESTION, ttft_table
 
     engine = _engine(args)
     lengths = [int(x) for x in args.lengths.split(",")]
-    print(f"TTFT, median of {args.runs} runs, {len(engine.layout.question_ids(QUESTION))}-token question block")
+    print(f"TTFT, median of {args.runs} runs, {len(engine.layout.question_ids(QUESTION))}-token question block, "
+          f"kernels {kernels.status()}")
     print(HEADER)
     ttft_table(engine, lengths, args.runs)
 

@@ -1,10 +1,11 @@
-// Block mode's attention and block fill as hand-written kernels, for the experiment in attention_kernel.py.
+// Block mode's two hot spots on x86-64 CPUs with AVX-512F, loaded by kernels.py.
 //
-// n question tokens attend to `past` cached keys (all visible) and to their own n keys (causal).
-// Grouped-query heads are folded into rows, so one kv head serves R = group * n rows and row r is
-// question token r % n. Online softmax (flash attention) over tiles of 128 keys; the scores of 6
-// rows x 64 keys and the output of 6 rows x 64 dims each stay in 24 AVX-512 registers.
-// float32, head_dim 64, x86-64 with AVX-512F; built with gcc -O3 -march=native -fopenmp.
+// attend: n question tokens attend to `past` cached keys (all visible) and to their own n keys
+// (causal). Grouped-query heads are folded into rows, so one kv head serves R = group * n rows and
+// row r is question token r % n. Online softmax (flash attention) over tiles of 128 keys; the
+// scores of 6 rows x 64 keys and the output of 6 rows x 64 dims each stay in 24 registers.
+// fill_block: a cached float16 block converted and rotated into the request's float32 buffers.
+// float32 compute, head_dim 64; built with cc -O3 -march=native -fopenmp.
 #include <immintrin.h>
 #include <math.h>
 #include <stdlib.h>
@@ -94,11 +95,11 @@ static inline void values(const float* p, const float* v, int nt, float* o) {
 // q: [heads][rows][D], rows a multiple of RB (padding rows are computed and ignored).
 // k, v: [heads] of [past + n][D], heads `head_stride` floats apart. out: [heads][rows][D].
 // kt: scratch of heads * ceil((past + n) / T) * D * T floats. Each kv head's rows are split into
-// `tasks_per_head` parallel tasks.
+// `threads` tasks, so that every thread gets a share of every head.
 void attend(const float* q, const float* k, const float* v, float* out, int heads, int rows, int n, int past,
-            long head_stride, float scale, float* kt_all, int tasks_per_head) {
-    int L = past + n, tiles = (L + T - 1) / T;
-    #pragma omp parallel for schedule(static)
+            long head_stride, float scale, float* kt_all, int threads) {
+    int L = past + n, tiles = (L + T - 1) / T, tasks_per_head = threads;
+    #pragma omp parallel for schedule(static) num_threads(threads)
     for (int ht = 0; ht < heads * tiles; ht++) {  // keys transposed per tile, zero past the end
         int h = ht / tiles, t0 = (ht % tiles) * T, nt = L - t0 < T ? L - t0 : T;
         float* kt = kt_all + (long)ht * D * T;
@@ -112,7 +113,7 @@ void attend(const float* q, const float* k, const float* v, float* out, int head
         }
     }
     int blocks = rows / RB, per = (blocks + tasks_per_head - 1) / tasks_per_head;
-    #pragma omp parallel
+    #pragma omp parallel num_threads(threads)
     {
         float* s = aligned_alloc(64, sizeof(float) * per * RB * T);
         float* o = aligned_alloc(64, sizeof(float) * per * RB * D);
@@ -180,10 +181,10 @@ void attend(const float* q, const float* k, const float* v, float* out, int head
 // and float16 values, both converted to float32. k16, v16: [groups][n][D] contiguous, one group per
 // (layer, kv head); kout, vout: the same groups, `group_stride` floats apart.
 void fill_block(const unsigned short* k16, const unsigned short* v16, float* kout, float* vout, int groups, int n,
-                long group_stride, const float* cos, const float* sin) {
+                long group_stride, const float* cos, const float* sin, int threads) {
     __m512 c0 = _mm512_loadu_ps(cos), c1 = _mm512_loadu_ps(cos + 16);
     __m512 s0 = _mm512_loadu_ps(sin), s1 = _mm512_loadu_ps(sin + 16);
-    #pragma omp parallel for schedule(static)
+    #pragma omp parallel for schedule(static) num_threads(threads)
     for (int g = 0; g < groups; g++) {
         for (int t = 0; t < n; t++) {
             const unsigned short* kr = k16 + ((long)g * n + t) * D;
