@@ -92,29 +92,29 @@ static inline void values(const float* p, const float* v, int nt, float* o) {
     for (int r = 0; r < RB; r++) for (int j = 0; j < 4; j++) _mm512_store_ps(o + r * D + j * 16, acc[r][j]);
 }
 
+// Keys [nt][D] of one tile transposed into kt [D][T], zero past nt: kept in the first-level cache
+// for the score kernel, which broadcasts queries against 64 keys at a time.
+static void transpose_tile(const float* k, int nt, float* kt) {
+    if (nt == T) {
+        for (int tb = 0; tb < T; tb += 16)
+            for (int db = 0; db < D; db += 16) transpose16(k + tb * D + db, D, kt + db * T + tb, T);
+    } else {
+        for (int t = 0; t < T; t++)
+            for (int d = 0; d < D; d++) kt[d * T + t] = t < nt ? k[t * D + d] : 0.f;
+    }
+}
+
 // q: [heads][rows][D], rows a multiple of RB (padding rows are computed and ignored).
 // k, v: [heads] of [past + n][D], heads `head_stride` floats apart. out: [heads][rows][D].
-// kt: scratch of heads * ceil((past + n) / T) * D * T floats. Each kv head's rows are split into
-// `threads` tasks, so that every thread gets a share of every head.
+// Each kv head's rows are split into `threads` tasks, so that every thread gets a share of every
+// head; each task transposes the keys a tile at a time as it goes.
 void attend(const float* q, const float* k, const float* v, float* out, int heads, int rows, int n, int past,
-            long head_stride, float scale, float* kt_all, int threads) {
+            long head_stride, float scale, int threads) {
     int L = past + n, tiles = (L + T - 1) / T, tasks_per_head = threads;
-    #pragma omp parallel for schedule(static) num_threads(threads)
-    for (int ht = 0; ht < heads * tiles; ht++) {  // keys transposed per tile, zero past the end
-        int h = ht / tiles, t0 = (ht % tiles) * T, nt = L - t0 < T ? L - t0 : T;
-        float* kt = kt_all + (long)ht * D * T;
-        const float* kh = k + h * head_stride + (long)t0 * D;
-        if (nt == T) {
-            for (int tb = 0; tb < T; tb += 16)
-                for (int db = 0; db < D; db += 16) transpose16(kh + tb * D + db, D, kt + db * T + tb, T);
-        } else {
-            for (int t = 0; t < T; t++)
-                for (int d = 0; d < D; d++) kt[d * T + t] = t < nt ? kh[t * D + d] : 0.f;
-        }
-    }
     int blocks = rows / RB, per = (blocks + tasks_per_head - 1) / tasks_per_head;
     #pragma omp parallel num_threads(threads)
     {
+        float* kt = aligned_alloc(64, sizeof(float) * D * T);
         float* s = aligned_alloc(64, sizeof(float) * per * RB * T);
         float* o = aligned_alloc(64, sizeof(float) * per * RB * D);
         float* m = malloc(sizeof(float) * per * RB);
@@ -130,7 +130,7 @@ void attend(const float* q, const float* k, const float* v, float* out, int head
             for (int r = 0; r < nr; r++) { m[r] = -INFINITY; l[r] = 0.f; }
             for (int tile = 0; tile < tiles; tile++) {
                 int t0 = tile * T, nt = L - t0 < T ? L - t0 : T;
-                const float* kt = kt_all + ((long)h * tiles + tile) * D * T;
+                transpose_tile(k + h * head_stride + (long)t0 * D, nt, kt);
                 for (int b = 0; b < nr; b += RB)
                     for (int half = 0; half < T; half += 64) scores(qh + b * D, kt + half, s + b * T + half, scale);
                 int masked = t0 + T > past;  // the tile reaches the question's own keys or the end
@@ -172,7 +172,7 @@ void attend(const float* q, const float* k, const float* v, float* out, int head
                     _mm512_storeu_ps(oh + r * D + j, _mm512_mul_ps(_mm512_load_ps(o + r * D + j), inv));
             }
         }
-        free(s); free(o); free(m); free(l);
+        free(kt); free(s); free(o); free(m); free(l);
     }
 }
 

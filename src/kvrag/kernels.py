@@ -27,7 +27,7 @@ from .model import kvrag_home
 
 SOURCE = Path(__file__).with_name("kernels.c")
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
-HEAD_DIM, ROWS_PER_BLOCK, KEYS_PER_TILE = 64, 6, 128
+HEAD_DIM, ROWS_PER_BLOCK = 64, 6
 MAX_QUERIES = 64  # the attention kernel recomputes every tile for every row: made for a question, not a prefill
 
 log = logging.getLogger(__name__)
@@ -88,7 +88,7 @@ def _build(cpu: str) -> Path:
 
 def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     p, i = ctypes.c_void_p, ctypes.c_int
-    lib.attend.argtypes = [p, p, p, p, i, i, i, i, ctypes.c_long, ctypes.c_float, p, i]
+    lib.attend.argtypes = [p, p, p, p, i, i, i, i, ctypes.c_long, ctypes.c_float, i]
     lib.fill_block.argtypes = [p, p, p, p, i, i, ctypes.c_long, p, p, i]
     return lib
 
@@ -117,17 +117,6 @@ def attention_applies(query, key, value) -> bool:
     )
 
 
-_scratch = threading.local()
-
-
-def _transposed_keys(size: int) -> torch.Tensor:
-    """The kernel's transposed keys: one buffer per thread kept across calls, as fresh megabytes fault in slowly."""
-    buffer = getattr(_scratch, "keys", None)
-    if buffer is None or buffer.numel() < size:
-        buffer = _scratch.keys = torch.empty(size)
-    return buffer
-
-
 def attend(lib, query, key, value, scale: float) -> torch.Tensor:
     """Attention of query [1, heads, n, 64] over key/value [1, kv_heads, past + n, 64] whose last n
     are the query's own: cached keys all visible, own keys causal. Returns [1, heads, n, 64]."""
@@ -138,9 +127,8 @@ def attend(lib, query, key, value, scale: float) -> torch.Tensor:
     q = query.new_zeros(kv_heads, padded, dim)
     q[:, :rows] = query.reshape(kv_heads, rows, dim)
     out = torch.empty_like(q)
-    scratch = _transposed_keys(kv_heads * -(-length // KEYS_PER_TILE) * KEYS_PER_TILE * dim)
     lib.attend(q.data_ptr(), key.data_ptr(), value.data_ptr(), out.data_ptr(), kv_heads, padded, n, length - n,
-               key.stride(1), scale, scratch.data_ptr(), torch.get_num_threads())
+               key.stride(1), scale, torch.get_num_threads())
     return out[:, :rows].reshape(1, heads, n, dim)
 
 
