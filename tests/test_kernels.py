@@ -1,6 +1,8 @@
 """kvrag.kernels: the C kernels against torch, their use in the engine, and the fallback without them."""
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -99,13 +101,22 @@ def test_kernels_are_built_once_per_machine(lib):
     assert kernels._build(Path("/proc/cpuinfo").read_text()) == built[0] and built[0].stat().st_mtime_ns == before
 
 
+@needs_avx512
+def test_two_processes_building_at_once_both_get_the_kernels(tmp_path):
+    script = "from kvrag import kernels; print(kernels.status())"
+    env = {**os.environ, "KVRAG_HOME": str(tmp_path)}
+    procs = [subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE, text=True) for _ in range(2)]
+    assert [proc.communicate(timeout=300)[0].strip() for proc in procs] == ["on (AVX-512 C kernels)"] * 2
+    assert [path.name.startswith("kernels-") for path in (tmp_path / "kernels").iterdir()] == [True]
+
+
 def test_without_a_compiler_torch_runs(tok, tmp_path, monkeypatch):
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     monkeypatch.setenv("KVRAG_HOME", str(tmp_path))
     kernels._load.cache_clear()
     try:
         assert kernels.library() is None
-        assert "no C compiler" in kernels.status() or "no AVX-512F" in kernels.status()
+        assert "no C compiler" in kernels.status() or "AVX-512F" in kernels.status()
         engine = KVEngine(tiny_model(tiny_configs(len(tok))["llama-head64"]), tok, home=tmp_path)
         assert engine.generate("Who built it?", ["Ilsa Brandt built it."], max_new_tokens=3).token_ids
         monkeypatch.setattr(kernels, "enabled", False)

@@ -1,13 +1,14 @@
 """Hand-written CPU kernels for block mode's two hot spots, with torch's kernels as the fallback.
 
 With 4K-8K cached tokens, block mode spends most of its time in the question's attention over the
-cache, where torch's CPU flash kernel runs 55 queries at ~115 GFLOP/s and `kernels.c` at ~160 (the
-grouped heads folded into rows, scores and outputs held in registers), and some in writing the
-cached float16 blocks into the request's float32 buffers, which `kernels.c` does in one pass. Like
-inductor's CPU kernels, the C is built with the system compiler (`$CC`, default `cc`) once per
-machine, into KVRAG_HOME, and checked against torch when loaded. It runs only where it applies:
-x86-64 with AVX-512F, float32 compute, head_dim 64, one sequence. Everywhere else, and with
-`KVRAG_KERNELS=0`, torch runs; `status()` says which and why.
+cache, where `kernels.c` runs 55 queries over 4K-8K keys at ~160 GFLOP/s and torch's CPU flash
+kernel at ~95 (the grouped heads folded into rows, scores and outputs held in registers),
+and some in writing the cached float16 blocks into the request's float32 buffers, which
+`kernels.c` does in one pass. Like inductor's CPU kernels, the C is built with the system
+compiler (`$CC`, default `cc`), once per machine into KVRAG_HOME, and checked against torch when
+loaded. It runs only where it applies: Linux on x86-64 with AVX-512F, float32 compute, head_dim
+64, one sequence. Everywhere else, and with `KVRAG_KERNELS=0`, torch runs; `status()` says which
+and why.
 """
 
 import ctypes
@@ -50,8 +51,8 @@ def status() -> str:
 def _load() -> ctypes.CDLL | None:
     global _unavailable
     cpu = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    if platform.machine() not in ("x86_64", "AMD64") or " avx512f" not in cpu:
-        _unavailable = "this CPU has no AVX-512F"
+    if platform.machine() != "x86_64" or " avx512f" not in cpu:
+        _unavailable = "they need Linux on an x86-64 CPU with AVX-512F"
         log.info("kvrag: %s; torch's kernels run", _unavailable)
         return None
     try:
@@ -95,11 +96,12 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
 
 def _check(lib) -> None:
     """Refuse a build that disagrees with SDPA (a miscompiled or foreign library)."""
+    from .attention import causal_mask
+
     generator = torch.Generator().manual_seed(0)  # leaves the caller's random state alone
     query = torch.randn(1, 4, 7, HEAD_DIM, generator=generator)
     key, value = torch.randn(2, 1, 2, 300 + 7, HEAD_DIM, generator=generator)
-    mask = torch.zeros(7, 307)
-    mask[:, 300:] = torch.full((7, 7), float("-inf")).triu(1)
+    mask = causal_mask(7, 300, torch.float32)
     expected = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, enable_gqa=True)
     if not torch.allclose(attend(lib, query, key, value, HEAD_DIM**-0.5), expected, atol=1e-5):
         raise RuntimeError("its attention differs from SDPA")
