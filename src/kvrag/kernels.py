@@ -1,8 +1,8 @@
 """Hand-written CPU kernels for block mode's two hot spots, with torch's kernels as the fallback.
 
 With 4K-8K cached tokens, block mode spends most of its time in the question's attention over the
-cache, where `kernels.c` runs 55 queries over 4K-8K keys at ~160 GFLOP/s and torch's CPU flash
-kernel at ~95 (the grouped heads folded into rows, scores and outputs held in registers),
+cache, where `kernels.c` (the grouped heads folded into rows, scores and outputs held in
+registers) runs 55 queries over 4K-8K keys at ~160 GFLOP/s and torch's CPU flash kernel at ~95,
 and some in writing the cached float16 blocks into the request's float32 buffers, which
 `kernels.c` does in one pass. Like inductor's CPU kernels, the C is built with the system
 compiler (`$CC`, default `cc`), once per machine into KVRAG_HOME, and checked against torch when
@@ -29,7 +29,7 @@ from .model import kvrag_home
 SOURCE = Path(__file__).with_name("kernels.c")
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
 HEAD_DIM, ROWS_PER_BLOCK = 64, 6
-MAX_QUERIES = 64  # the attention kernel recomputes every tile for every row: made for a question, not a prefill
+MAX_QUERIES = 64  # the attention kernel computes every key tile for every row, masked or not: made for a question
 
 log = logging.getLogger(__name__)
 enabled = os.environ.get("KVRAG_KERNELS", "1") != "0"
