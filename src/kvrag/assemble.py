@@ -24,14 +24,13 @@ def fill(workspace, pieces: list[Piece], inv_freq: torch.Tensor) -> int:
         keys = workspace.keys[:, 0, :, slot : slot + n]  # [layers, kv_heads, n, head_dim]
         values = workspace.values[:, 0, :, slot : slot + n]
         delta = piece.position - block.start
+        cos, sin = delta_cos_sin(torch.tensor([delta]), inv_freq, keys.dtype)
         if lib and kernels.fill_applies(block.keys, block.values, keys, values):
-            cos, sin = delta_cos_sin(torch.tensor([delta]), inv_freq, torch.float32)
             kernels.fill_block(lib, block.keys, block.values, keys, values, cos, sin)
         else:
             if delta == 0:
                 keys.copy_(block.keys)
             else:
-                cos, sin = delta_cos_sin(torch.tensor([delta]), inv_freq, workspace.keys.dtype)
                 shift_keys(block.keys, cos.to(keys.device), sin.to(keys.device), out=keys)
             values.copy_(block.values)
         slot += n
