@@ -47,16 +47,25 @@ def status() -> str:
     return "on (AVX-512 C kernels)" if _load() else f"off ({_unavailable})"
 
 
+def cpuinfo() -> str:
+    """/proc/cpuinfo, or nothing where there is none."""
+    path = Path("/proc/cpuinfo")
+    return path.read_text() if path.exists() else ""
+
+
+def cpu_supported() -> bool:
+    return platform.machine() == "x86_64" and " avx512f" in cpuinfo()
+
+
 @functools.cache
 def _load() -> ctypes.CDLL | None:
     global _unavailable
-    cpu = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    if platform.machine() != "x86_64" or " avx512f" not in cpu:
+    if not cpu_supported():
         _unavailable = "they need Linux on an x86-64 CPU with AVX-512F"
         log.info("kvrag: %s; torch's kernels run", _unavailable)
         return None
     try:
-        lib = _bind(ctypes.CDLL(str(_build(cpu))))
+        lib = _bind(ctypes.CDLL(str(_build())))
         _check(lib)
         return lib
     except (OSError, RuntimeError, subprocess.CalledProcessError) as e:
@@ -66,14 +75,14 @@ def _load() -> ctypes.CDLL | None:
         return None
 
 
-def _build(cpu: str) -> Path:
+def _build() -> Path:
     """Compile kernels.c once per source, compiler and CPU; concurrent builders each rename a whole file."""
     cc = os.environ.get("CC", "cc")
     try:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
     except FileNotFoundError:
         raise OSError(f"no C compiler {cc!r} (set CC to one)") from None
-    flags = next((line for line in cpu.splitlines() if line.startswith("flags")), "")
+    flags = next((line for line in cpuinfo().splitlines() if line.startswith("flags")), "")
     digest = hashlib.sha256("\0".join([SOURCE.read_text(), cc, version, *FLAGS, flags]).encode()).hexdigest()[:16]
     path = kvrag_home() / "kernels" / f"kernels-{digest}.so"
     if not path.exists():
