@@ -11,9 +11,13 @@ def tok():
 
 
 @pytest.fixture
-def make_engine(tok, tmp_path):
-    """Engine over a tiny random model of the named architecture, storing float32 KV under tmp_path."""
-    from kvrag import KVEngine
+def make_engine(tok, tmp_path, monkeypatch):
+    """Engine over a tiny random model of the named architecture, storing float32 KV under tmp_path
+    and attending with the float32 kernel: these tests check exactness to float32 round-off (the
+    bfloat16 kernel has its own tests in test_kernels.py)."""
+    from kvrag import KVEngine, kernels
+
+    monkeypatch.setattr(kernels, "bf16", False)
 
     def make(arch="llama", seed=0, **kwargs):
         kwargs.setdefault("home", tmp_path)

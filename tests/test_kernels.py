@@ -17,6 +17,7 @@ from kvrag.cache import Workspace
 from kvrag.store import KVBlock
 
 needs_avx512 = pytest.mark.skipif(not kernels.cpu_supported(), reason="kvrag.kernels need an x86-64 CPU with AVX-512F")
+needs_bf16 = pytest.mark.skipif(not kernels.cpu_supported("avx512_bf16"), reason="bfloat16 products need AVX512-BF16")
 
 
 @pytest.fixture
@@ -26,17 +27,44 @@ def lib():
     return library
 
 
-@needs_avx512
-@pytest.mark.parametrize("heads,kv_heads,n,past", [(9, 3, 55, 4119), (3, 1, 2, 0), (8, 2, 64, 1000), (6, 6, 13, 127)])
-def test_attention_kernel_matches_sdpa(lib, heads, kv_heads, n, past):
+SHAPES = [(9, 3, 55, 4119), (3, 1, 2, 0), (8, 2, 64, 1000), (6, 6, 13, 127)]
+
+
+def random_attention(heads, kv_heads, n, past):
     g = torch.Generator().manual_seed(n)
     query = torch.randn(1, n, heads, 64, generator=g).transpose(1, 2)  # as the model hands it over
     workspace = torch.randn(2, 1, kv_heads, past + n + 100, 64, generator=g)  # larger than the request
-    key, value = workspace[0][:, :, : past + n], workspace[1][:, :, : past + n]
+    workspace[..., past + n :, :] = float("nan")  # beyond the request: must not leak in
+    return query, workspace[0][:, :, : past + n], workspace[1][:, :, : past + n]
+
+
+def sdpa(query, key, value, dtype=torch.float32):
+    n, past = query.shape[2], key.shape[2] - query.shape[2]
+    query, key, value = (x.to(dtype) for x in (query, key, value))
+    gqa = query.shape[1] != key.shape[1]
+    return F.scaled_dot_product_attention(query, key, value, attn_mask=causal_mask(n, past, dtype), enable_gqa=gqa)
+
+
+@needs_avx512
+@pytest.mark.parametrize("heads,kv_heads,n,past", SHAPES)
+def test_attention_kernel_matches_sdpa(lib, heads, kv_heads, n, past):
+    query, key, value = random_attention(heads, kv_heads, n, past)
     assert kernels.attention_applies(query, key, value)
-    mask = causal_mask(n, past, torch.float32)
-    expected = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, enable_gqa=heads != kv_heads)
-    torch.testing.assert_close(kernels.attend(lib, query, key, value, 64**-0.5), expected, rtol=1e-5, atol=1e-5)
+    expected = sdpa(query, key, value)
+    torch.testing.assert_close(kernels.attend(lib, query, key, value, 64**-0.5, in_bf16=False), expected, rtol=1e-5, atol=1e-5)
+
+
+@needs_bf16
+@pytest.mark.parametrize("heads,kv_heads,n,past", SHAPES)
+def test_bf16_attention_kernel_is_exact_attention_over_bf16_inputs(lib, heads, kv_heads, n, past):
+    """Its only rounding is the inputs' (and the probabilities') to bfloat16: sums stay float32."""
+    assert lib.has_bf16
+    query, key, value = random_attention(heads, kv_heads, n, past)
+    rounded = [x.bfloat16().double() for x in (query, key, value)]
+    expected = sdpa(*rounded, dtype=torch.float64).float()
+    got = kernels.attend(lib, query, key, value, 64**-0.5, in_bf16=True)
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-2)
+    assert not torch.allclose(got, sdpa(query, key, value), rtol=0, atol=1e-6)  # it did run in bfloat16
 
 
 def test_attention_kernel_declines_what_it_does_not_do():
@@ -65,9 +93,12 @@ def test_fill_kernel_matches_torch(lib, monkeypatch):
     assert torch.equal(with_kernel.values[..., :589, :], without.values[..., :589, :])
 
 
+@pytest.mark.parametrize("in_bf16", [False, pytest.param(True, marks=needs_bf16)])
 @needs_avx512
-def test_engine_runs_the_kernels_and_answers_as_without(lib, tok, tmp_path, monkeypatch):
-    """float16 storage and SmolLM2's head shape: both kernels run, the logits match torch's path."""
+def test_engine_runs_the_kernels_and_answers_as_without(lib, tok, tmp_path, monkeypatch, in_bf16):
+    """float16 storage and SmolLM2's head shape: both kernels run, the logits match torch's path
+    (to float32 rounding, or to bfloat16's with its products)."""
+    monkeypatch.setattr(kernels, "bf16", in_bf16)
     engine = KVEngine(tiny_model(tiny_configs(len(tok))["llama-head64"]), tok, home=tmp_path)
     texts = ["The river Olm freezes every winter.", "Ilsa Brandt built the lighthouse in 1873."]
     calls = {"attend": 0, "fill_block": 0}
@@ -88,8 +119,11 @@ def test_engine_runs_the_kernels_and_answers_as_without(lib, tok, tmp_path, monk
     calls.update(attend=0, fill_block=0)
     torch_logits, torch_answer = run()
     assert calls == {"attend": 0, "fill_block": 0}
-    torch.testing.assert_close(logits, torch_logits, rtol=1e-4, atol=1e-4)
-    assert answer == torch_answer
+    if in_bf16:
+        assert 1e-4 < (logits - torch_logits).abs().max() < 5e-2
+    else:
+        torch.testing.assert_close(logits, torch_logits, rtol=1e-4, atol=1e-4)
+        assert answer == torch_answer
 
 
 @needs_avx512
@@ -105,8 +139,27 @@ def test_two_processes_building_at_once_both_get_the_kernels(tmp_path):
     script = "from kvrag import kernels; print(kernels.status())"
     env = {**os.environ, "KVRAG_HOME": str(tmp_path)}
     procs = [subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE, text=True) for _ in range(2)]
-    assert [proc.communicate(timeout=300)[0].strip() for proc in procs] == ["on (AVX-512 C kernels)"] * 2
+    products = "bfloat16" if kernels.cpu_supported("avx512_bf16") else "float32"  # KVRAG_KERNELS's default
+    expected = f"on (AVX-512 C kernels, {products} attention products)"
+    assert [proc.communicate(timeout=300)[0].strip() for proc in procs] == [expected] * 2
     assert [path.name.startswith("kernels-") for path in (tmp_path / "kernels").iterdir()] == [True]
+
+
+@pytest.mark.parametrize(
+    "setting,status",
+    [
+        ("fp32", "on (AVX-512 C kernels, float32 attention products)"),
+        ("0", "off (KVRAG_KERNELS=0)"),
+        ("fast", "ValueError: KVRAG_KERNELS must be 0, fp32 or bf16, not 'fast'"),
+    ],
+)
+def test_kvrag_kernels_setting(setting, status):
+    script = "from kvrag import kernels; print(kernels.status())"
+    env = {**os.environ, "KVRAG_KERNELS": setting}
+    run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    if status.startswith("on") and not kernels.cpu_supported():
+        status = "off (they need Linux on an x86-64 CPU with AVX-512F)"
+    assert status in run.stdout + run.stderr
 
 
 def test_without_a_compiler_torch_runs(tok, tmp_path, monkeypatch):

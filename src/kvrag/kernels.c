@@ -4,6 +4,9 @@
 // (causal). Grouped-query heads are folded into rows, so one kv head serves R = group * n rows and
 // row r is question token r % n. Online softmax (flash attention) over tiles of 128 keys; the
 // scores of 6 rows x 64 keys and the output of 6 rows x 64 dims each stay in 24 registers.
+// attend_bf16, where the compiler targets AVX512-BF16: the same with the two products (query . key,
+// probability . value) in bfloat16 pairs summed into float32 (vdpbf16ps, twice the float32 rate);
+// softmax and sums stay float32.
 // fill_block: a cached float16 block converted and rotated into the request's float32 buffers.
 // float32 compute, head_dim 64; built with cc -O3 -march=native -fopenmp.
 #include <immintrin.h>
@@ -92,6 +95,62 @@ static inline void values(const float* p, const float* v, int nt, float* o) {
     for (int r = 0; r < RB; r++) for (int j = 0; j < 4; j++) _mm512_store_ps(o + r * D + j * 16, acc[r][j]);
 }
 
+#ifdef __AVX512BF16__
+typedef unsigned int pair;  // two bfloat16s, multiplied with another pair and summed by vdpbf16ps
+
+// out[j] = (a[j], b[j]) for j < n, a multiple of 16
+static inline void pack_pairs(const float* a, const float* b, pair* out, int n) {
+    static const short order[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+                                    8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+    __m512i interleave = _mm512_loadu_si512(order);
+    for (int j = 0; j < n; j += 16) {
+        __m512i ab = (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(b + j), _mm512_loadu_ps(a + j));
+        _mm512_storeu_si512(out + j, _mm512_permutexvar_epi16(interleave, ab));
+    }
+}
+
+// out[j] = (x[2j], x[2j + 1]) for j < n / 2, n a multiple of 32; out may be x itself
+static inline void pack_neighbours(const float* x, pair* out, int n) {
+    for (int j = 0; j < n; j += 32)
+        _mm512_storeu_si512(out + j / 2, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + j + 16), _mm512_loadu_ps(x + j)));
+}
+
+// acc[0:4] += b . x[0:4], pairwise
+static inline void dot_row(__m512 acc[4], __m512i b, __m512i x0, __m512i x1, __m512i x2, __m512i x3) {
+    acc[0] = _mm512_dpbf16_ps(acc[0], (__m512bh)b, (__m512bh)x0);
+    acc[1] = _mm512_dpbf16_ps(acc[1], (__m512bh)b, (__m512bh)x1);
+    acc[2] = _mm512_dpbf16_ps(acc[2], (__m512bh)b, (__m512bh)x2);
+    acc[3] = _mm512_dpbf16_ps(acc[3], (__m512bh)b, (__m512bh)x3);
+}
+
+// s[RB][T] = scale * q[RB][D/2] . kt[D/2][T]: dims in pairs
+static inline void scores_bf16(const pair* q, const pair* kt, float* s, float scale) {
+    __m512 acc[RB][4];
+    for (int r = 0; r < RB; r++) for (int j = 0; j < 4; j++) acc[r][j] = _mm512_setzero_ps();
+    for (int d = 0; d < D / 2; d++) {
+        __m512i k0 = _mm512_load_si512(kt + d * T), k1 = _mm512_load_si512(kt + d * T + 16);
+        __m512i k2 = _mm512_load_si512(kt + d * T + 32), k3 = _mm512_load_si512(kt + d * T + 48);
+        for (int r = 0; r < RB; r++) dot_row(acc[r], _mm512_set1_epi32(q[r * D / 2 + d]), k0, k1, k2, k3);
+    }
+    __m512 sc = _mm512_set1_ps(scale);
+    for (int r = 0; r < RB; r++)
+        for (int j = 0; j < 4; j++) _mm512_store_ps(s + r * T + j * 16, _mm512_mul_ps(acc[r][j], sc));
+}
+
+// o[RB][D] += p[RB][np] . v[np][D]: keys in pairs, p's rows T pairs apart (packed over the scores)
+static inline void values_bf16(const pair* p, const pair* v, int np, float* o) {
+    __m512 acc[RB][4];
+    for (int r = 0; r < RB; r++) for (int j = 0; j < 4; j++) acc[r][j] = _mm512_load_ps(o + r * D + j * 16);
+    for (int t = 0; t < np; t++) {
+        const pair* vr = v + t * D;
+        __m512i v0 = _mm512_load_si512(vr), v1 = _mm512_load_si512(vr + 16);
+        __m512i v2 = _mm512_load_si512(vr + 32), v3 = _mm512_load_si512(vr + 48);
+        for (int r = 0; r < RB; r++) dot_row(acc[r], _mm512_set1_epi32(p[r * T + t]), v0, v1, v2, v3);
+    }
+    for (int r = 0; r < RB; r++) for (int j = 0; j < 4; j++) _mm512_store_ps(o + r * D + j * 16, acc[r][j]);
+}
+#endif
+
 // Keys [nt][D] of one tile transposed into kt [D][T], zero past nt: kept in the first-level cache
 // for the score kernel, which broadcasts queries against 64 keys at a time.
 static void transpose_tile(const float* k, int nt, float* kt) {
@@ -107,9 +166,12 @@ static void transpose_tile(const float* k, int nt, float* kt) {
 // q: [heads][rows][D], rows a multiple of RB (padding rows are computed and ignored).
 // k, v: [heads] of [past + n][D], heads `head_stride` floats apart. out: [heads][rows][D].
 // Each kv head's rows are split into `threads` tasks, so that every thread gets a share of every
-// head; each task transposes the keys a tile at a time as it goes.
-void attend(const float* q, const float* k, const float* v, float* out, int heads, int rows, int n, int past,
-            long head_stride, float scale, int threads) {
+// head; each task transposes the keys a tile at a time as it goes. With `bf16` (a constant: the
+// compiler makes one function per value) the task also packs the tile into bfloat16 pairs: the
+// keys' dims, the values' keys, and the probabilities' keys, over the scores.
+static inline __attribute__((always_inline)) void attend_tiles(
+    const float* q, const float* k, const float* v, float* out, int heads, int rows, int n, int past,
+    long head_stride, float scale, int threads, const int bf16) {
     int L = past + n, tiles = (L + T - 1) / T, tasks_per_head = threads;
     int blocks = rows / RB, per = (blocks + tasks_per_head - 1) / tasks_per_head;
     #pragma omp parallel num_threads(threads)
@@ -119,6 +181,12 @@ void attend(const float* q, const float* k, const float* v, float* out, int head
         float* o = aligned_alloc(64, sizeof(float) * per * RB * D);
         float* m = malloc(sizeof(float) * per * RB);
         float* l = malloc(sizeof(float) * per * RB);
+#ifdef __AVX512BF16__
+        static const float zeros[D];
+        pair* kt2 = bf16 ? aligned_alloc(64, sizeof(pair) * D / 2 * T) : NULL;
+        pair* v2 = bf16 ? aligned_alloc(64, sizeof(pair) * T / 2 * D) : NULL;
+        pair* q2 = bf16 ? aligned_alloc(64, sizeof(pair) * per * RB * D / 2) : NULL;
+#endif
         #pragma omp for schedule(static)
         for (int task = 0; task < heads * tasks_per_head; task++) {
             int h = task / tasks_per_head, b0 = (task % tasks_per_head) * per;
@@ -126,13 +194,29 @@ void attend(const float* q, const float* k, const float* v, float* out, int head
             int r0 = b0 * RB, nr = (b1 - b0) * RB;
             if (nr <= 0) continue;
             const float* qh = q + ((long)h * rows + r0) * D;
+#ifdef __AVX512BF16__
+            if (bf16) pack_neighbours(qh, q2, nr * D);
+#endif
             memset(o, 0, sizeof(float) * nr * D);
             for (int r = 0; r < nr; r++) { m[r] = -INFINITY; l[r] = 0.f; }
             for (int tile = 0; tile < tiles; tile++) {
                 int t0 = tile * T, nt = L - t0 < T ? L - t0 : T;
+                const float* vt = v + h * head_stride + (long)t0 * D;
                 transpose_tile(k + h * head_stride + (long)t0 * D, nt, kt);
+#ifdef __AVX512BF16__
+                if (bf16) {
+                    for (int d = 0; d < D; d += 2) pack_pairs(kt + d * T, kt + (d + 1) * T, kt2 + d / 2 * T, T);
+                    for (int t = 0; t < nt; t += 2)  // a key past the tile pairs with zeros
+                        pack_pairs(vt + t * D, t + 1 < nt ? vt + (t + 1) * D : zeros, v2 + t / 2 * D, D);
+                }
+#endif
                 for (int b = 0; b < nr; b += RB)
-                    for (int half = 0; half < T; half += 64) scores(qh + b * D, kt + half, s + b * T + half, scale);
+                    for (int half = 0; half < T; half += 64) {
+#ifdef __AVX512BF16__
+                        if (bf16) { scores_bf16(q2 + b * D / 2, kt2 + half, s + b * T + half, scale); continue; }
+#endif
+                        scores(qh + b * D, kt + half, s + b * T + half, scale);
+                    }
                 int masked = t0 + T > past;  // the tile reaches the question's own keys or the end
                 for (int r = 0; r < nr; r++) {
                     float* sr = s + r * T;
@@ -154,6 +238,9 @@ void attend(const float* q, const float* k, const float* v, float* out, int head
                         _mm512_store_ps(sr + j, e);
                         sum = _mm512_add_ps(sum, e);
                     }
+#ifdef __AVX512BF16__
+                    if (bf16) pack_neighbours(sr, (pair*)sr, T);
+#endif
                     l[r] = l[r] * alpha + _mm512_reduce_add_ps(sum);
                     m[r] = m_new;
                     if (alpha != 1.f) {
@@ -162,8 +249,12 @@ void attend(const float* q, const float* k, const float* v, float* out, int head
                             _mm512_store_ps(o + r * D + j, _mm512_mul_ps(_mm512_load_ps(o + r * D + j), a));
                     }
                 }
-                const float* vt = v + h * head_stride + (long)t0 * D;
-                for (int b = 0; b < nr; b += RB) values(s + b * T, vt, nt, o + b * D);
+                for (int b = 0; b < nr; b += RB) {
+#ifdef __AVX512BF16__
+                    if (bf16) { values_bf16((pair*)(s + b * T), v2, (nt + 1) / 2, o + b * D); continue; }
+#endif
+                    values(s + b * T, vt, nt, o + b * D);
+                }
             }
             float* oh = out + ((long)h * rows + r0) * D;
             for (int r = 0; r < nr; r++) {
@@ -173,8 +264,23 @@ void attend(const float* q, const float* k, const float* v, float* out, int head
             }
         }
         free(kt); free(s); free(o); free(m); free(l);
+#ifdef __AVX512BF16__
+        free(kt2); free(v2); free(q2);
+#endif
     }
 }
+
+void attend(const float* q, const float* k, const float* v, float* out, int heads, int rows, int n, int past,
+            long head_stride, float scale, int threads) {
+    attend_tiles(q, k, v, out, heads, rows, n, past, head_stride, scale, threads, 0);
+}
+
+#ifdef __AVX512BF16__
+void attend_bf16(const float* q, const float* k, const float* v, float* out, int heads, int rows, int n, int past,
+                 long head_stride, float scale, int threads) {
+    attend_tiles(q, k, v, out, heads, rows, n, past, head_stride, scale, threads, 1);
+}
+#endif
 
 // Writes one cached block into the request's buffers in a single pass: float16 keys rotated by the
 // block's position delta (cos/sin per frequency, transformers' rotate_half pairing of i and i + 32)

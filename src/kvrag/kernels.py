@@ -4,7 +4,10 @@ With 4K-8K cached tokens, block mode spends most of its time in the question's a
 cache, where `kernels.c` (the grouped heads folded into rows, scores and outputs held in
 registers) runs 55 queries over 4K-8K keys at ~160 GFLOP/s and torch's CPU flash kernel at ~95,
 and some in writing the cached float16 blocks into the request's float32 buffers, which
-`kernels.c` does in one pass. Like inductor's CPU kernels, the C is built with the system
+`kernels.c` does in one pass. Where the CPU has AVX512-BF16 the attention's two products run in
+bfloat16 pairs summed into float32, at twice the float32 rate: block mode's logits move by a few
+hundredths and its answers barely (README: CPU kernels); `KVRAG_KERNELS=fp32` keeps float32,
+which matches torch to rounding. Like inductor's CPU kernels, the C is built with the system
 compiler (`$CC`, default `cc`), once per machine into KVRAG_HOME, and checked against torch when
 loaded. It runs only where it applies: Linux on x86-64 with AVX-512F, float32 compute, head_dim
 64, one sequence. Everywhere else, and with `KVRAG_KERNELS=0`, torch runs; `status()` says which
@@ -32,7 +35,11 @@ HEAD_DIM, ROWS_PER_BLOCK = 64, 6
 MAX_QUERIES = 64  # the attention kernel computes every key tile for every row, masked or not: made for a question
 
 log = logging.getLogger(__name__)
-enabled = os.environ.get("KVRAG_KERNELS", "1") != "0"
+_setting = os.environ.get("KVRAG_KERNELS", "bf16")  # 0: off; fp32; bf16: bfloat16 products where the CPU has them
+if _setting not in ("0", "fp32", "bf16"):
+    raise ValueError(f"KVRAG_KERNELS must be 0, fp32 or bf16, not {_setting!r}")
+enabled = _setting != "0"
+bf16 = _setting == "bf16"
 _unavailable = ""  # why the kernels could not be loaded, once tried
 
 
@@ -44,7 +51,10 @@ def library() -> ctypes.CDLL | None:
 def status() -> str:
     if not enabled:
         return "off (KVRAG_KERNELS=0)"
-    return "on (AVX-512 C kernels)" if _load() else f"off ({_unavailable})"
+    lib = _load()
+    if lib is None:
+        return f"off ({_unavailable})"
+    return f"on (AVX-512 C kernels, {'bfloat16' if bf16 and lib.has_bf16 else 'float32'} attention products)"
 
 
 def cpuinfo() -> str:
@@ -53,8 +63,8 @@ def cpuinfo() -> str:
     return path.read_text() if path.exists() else ""
 
 
-def cpu_supported() -> bool:
-    return platform.machine() == "x86_64" and " avx512f" in cpuinfo()
+def cpu_supported(flag: str = "avx512f") -> bool:
+    return platform.machine() == "x86_64" and f" {flag}" in cpuinfo()
 
 
 @functools.cache
@@ -100,6 +110,9 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     p, i = ctypes.c_void_p, ctypes.c_int
     lib.attend.argtypes = [p, p, p, p, i, i, i, i, ctypes.c_long, ctypes.c_float, i]
     lib.fill_block.argtypes = [p, p, p, p, i, i, ctypes.c_long, p, p, i]
+    lib.has_bf16 = hasattr(lib, "attend_bf16")  # built where the compiler targets AVX512-BF16
+    if lib.has_bf16:
+        lib.attend_bf16.argtypes = lib.attend.argtypes
     return lib
 
 
@@ -112,8 +125,10 @@ def _check(lib) -> None:
     key, value = torch.randn(2, 1, 2, 300 + 7, HEAD_DIM, generator=generator)
     mask = causal_mask(7, 300, torch.float32)
     expected = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, enable_gqa=True)
-    if not torch.allclose(attend(lib, query, key, value, HEAD_DIM**-0.5), expected, atol=1e-5):
+    if not torch.allclose(attend(lib, query, key, value, HEAD_DIM**-0.5, in_bf16=False), expected, atol=1e-5):
         raise RuntimeError("its attention differs from SDPA")
+    if lib.has_bf16 and not torch.allclose(attend(lib, query, key, value, HEAD_DIM**-0.5, in_bf16=True), expected, atol=2e-2):
+        raise RuntimeError("its bfloat16 attention differs from SDPA by more than bfloat16 rounding")
 
 
 def attention_applies(query, key, value) -> bool:
@@ -128,9 +143,10 @@ def attention_applies(query, key, value) -> bool:
     )
 
 
-def attend(lib, query, key, value, scale: float) -> torch.Tensor:
+def attend(lib, query, key, value, scale: float, in_bf16: bool | None = None) -> torch.Tensor:
     """Attention of query [1, heads, n, 64] over key/value [1, kv_heads, past + n, 64] whose last n
-    are the query's own: cached keys all visible, own keys causal. Returns [1, heads, n, 64]."""
+    are the query's own: cached keys all visible, own keys causal. Returns [1, heads, n, 64].
+    `in_bf16` (default: the module's `bf16` setting) asks for bfloat16 products where the build has them."""
     _, heads, n, dim = query.shape
     kv_heads, length = key.shape[1], key.shape[2]
     rows = heads // kv_heads * n
@@ -138,8 +154,10 @@ def attend(lib, query, key, value, scale: float) -> torch.Tensor:
     q = query.new_zeros(kv_heads, padded, dim)
     q[:, :rows] = query.reshape(kv_heads, rows, dim)
     out = torch.empty_like(q)
-    lib.attend(q.data_ptr(), key.data_ptr(), value.data_ptr(), out.data_ptr(), kv_heads, padded, n, length - n,
-               key.stride(1), scale, torch.get_num_threads())
+    in_bf16 = bf16 if in_bf16 is None else in_bf16
+    kernel = lib.attend_bf16 if in_bf16 and lib.has_bf16 else lib.attend
+    kernel(q.data_ptr(), key.data_ptr(), value.data_ptr(), out.data_ptr(), kv_heads, padded, n, length - n,
+           key.stride(1), scale, torch.get_num_threads())
     return out[:, :rows].reshape(1, heads, n, dim)
 
 
