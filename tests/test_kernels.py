@@ -18,6 +18,7 @@ from kvrag.store import KVBlock
 
 needs_avx512 = pytest.mark.skipif(not kernels.cpu_supported(), reason="kvrag.kernels need an x86-64 CPU with AVX-512F")
 needs_bf16 = pytest.mark.skipif(not kernels.cpu_supported("avx512_bf16"), reason="bfloat16 products need AVX512-BF16")
+PRINT_STATUS = "from kvrag import kernels; print(kernels.status())"  # in a fresh process, which reads KVRAG_KERNELS at import
 
 
 @pytest.fixture
@@ -136,9 +137,8 @@ def test_kernels_are_built_once_per_machine(lib):
 
 @needs_avx512
 def test_two_processes_building_at_once_both_get_the_kernels(tmp_path):
-    script = "from kvrag import kernels; print(kernels.status())"
     env = {**os.environ, "KVRAG_HOME": str(tmp_path)}
-    procs = [subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE, text=True) for _ in range(2)]
+    procs = [subprocess.Popen([sys.executable, "-c", PRINT_STATUS], env=env, stdout=subprocess.PIPE, text=True) for _ in range(2)]
     products = "bfloat16" if kernels.cpu_supported("avx512_bf16") else "float32"  # KVRAG_KERNELS's default
     expected = f"on (AVX-512 C kernels, {products} attention products)"
     assert [proc.communicate(timeout=300)[0].strip() for proc in procs] == [expected] * 2
@@ -154,9 +154,8 @@ def test_two_processes_building_at_once_both_get_the_kernels(tmp_path):
     ],
 )
 def test_kvrag_kernels_setting(setting, status):
-    script = "from kvrag import kernels; print(kernels.status())"
     env = {**os.environ, "KVRAG_KERNELS": setting}
-    run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    run = subprocess.run([sys.executable, "-c", PRINT_STATUS], env=env, capture_output=True, text=True, timeout=300)
     if status.startswith("on") and not kernels.cpu_supported():
         status = "off (they need Linux on an x86-64 CPU with AVX-512F)"
     assert status in run.stdout + run.stderr

@@ -22,7 +22,7 @@ def main():
     examples = data.generate("test", n=args.limit, passages=10)
     records = {}
     for setting in ("fp32", "bf16"):
-        kernels.bf16 = setting == "bf16"
+        kernels.use(setting)
         print(f"KVRAG_KERNELS={setting}:", kernels.status())
         records[setting] = evaluate(engine, examples, ["block"], progress=False)
     pairs = list(zip(records["fp32"], records["bf16"]))

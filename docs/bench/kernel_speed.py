@@ -18,18 +18,13 @@ from kvrag.bench import QUESTION, make_passages
 SETTINGS = ("0", "fp32", "bf16")
 
 
-def use(setting):
-    kernels.enabled, kernels.bf16 = setting != "0", setting == "bf16"
-
-
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--lengths", default="4096,8000", help="context tokens before the question")
     p.add_argument("--runs", type=int, default=5)
     args = p.parse_args()
-    default = kernels.enabled, kernels.bf16
     for setting in SETTINGS:
-        use(setting)
+        kernels.use(setting)
         print(f"KVRAG_KERNELS={setting}:", kernels.status())
     engine = KVEngine.from_pretrained()
     rows = []
@@ -44,18 +39,17 @@ def main():
 
         answers = {}
         for setting in SETTINGS:
-            use(setting)
+            kernels.use(setting)
             answers[setting] = run("block", 24).text
         print(f"{length}: block mode's greedy 24-token answers:", answers)
         times = {}
         for _ in range(args.runs):
             times.setdefault("full", []).append(run("full").ttft)
             for setting in SETTINGS:
-                use(setting)
+                kernels.use(setting)
                 for name in ("floor", "block"):
                     times.setdefault((setting, name), []).append(run(name).ttft)
         rows.append((length, {key: statistics.median(values) * 1e3 for key, values in times.items()}))
-    kernels.enabled, kernels.bf16 = default
     print(f"\n| context | full ms | floor ms {' / '.join(SETTINGS)} | block ms {' / '.join(SETTINGS)} "
           f"| full/block {' / '.join(SETTINGS)} | block/floor {' / '.join(SETTINGS)} |")
     print("|---:|---:|---:|---:|---:|---:|")

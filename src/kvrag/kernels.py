@@ -35,12 +35,18 @@ HEAD_DIM, ROWS_PER_BLOCK = 64, 6
 MAX_QUERIES = 64  # the attention kernel computes every key tile for every row, masked or not: made for a question
 
 log = logging.getLogger(__name__)
-_setting = os.environ.get("KVRAG_KERNELS", "bf16")  # 0: off; fp32; bf16: bfloat16 products where the CPU has them
-if _setting not in ("0", "fp32", "bf16"):
-    raise ValueError(f"KVRAG_KERNELS must be 0, fp32 or bf16, not {_setting!r}")
-enabled = _setting != "0"
-bf16 = _setting == "bf16"
 _unavailable = ""  # why the kernels could not be loaded, once tried
+
+
+def use(setting: str) -> None:
+    """As `KVRAG_KERNELS` (read at import): 0, off; fp32; bf16, bfloat16 products where the CPU has them."""
+    global enabled, bf16
+    if setting not in ("0", "fp32", "bf16"):
+        raise ValueError(f"KVRAG_KERNELS must be 0, fp32 or bf16, not {setting!r}")
+    enabled, bf16 = setting != "0", setting == "bf16"
+
+
+use(os.environ.get("KVRAG_KERNELS", "bf16"))
 
 
 def library() -> ctypes.CDLL | None:
