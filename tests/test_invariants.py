@@ -113,6 +113,25 @@ def test_full_mode_is_plain_generation(make_engine, tok, arch):
     assert result.prefilled_tokens == len(prompt) and result.reused_tokens == 0
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_prefix_mode_is_full_prefill(make_engine, tok, arch):
+    """Prefix caching is exact: a request that reuses cached leading blocks and computes a long rest
+    after them (here 86 tokens after 47) gets full prefill's logits."""
+    engine = make_engine(arch)
+    first = random_prompt(len(tok), [7, 40, 50, 30, 6])
+    state = engine.prefill(first, "prefix")
+    engine._store_pending(state)  # as a finished request does
+    engine.release(state)
+    again = random_prompt(len(tok), [7, 40, 50, 30, 6], seed=2)
+    second = Prompt(first.prefix, [first.blocks[0], *again.blocks[1:]], again.question)
+    state = engine.prefill(second, "prefix", all_logits=True)
+    try:
+        assert state.reused_tokens == 47 and state.prefilled_tokens == 86
+        torch.testing.assert_close(state.logits, question_logits(engine, second, "full"), rtol=1e-4, atol=1e-4)
+    finally:
+        engine.release(state)
+
+
 def test_assembled_ids_are_the_parts_tokenized_alone(make_engine, tok, monkeypatch):
     engine = make_engine("llama")
     texts = ["Orrin Vale paints murals.", "  Leading spaces and a tab\there.", "Ilsa Brandt built it in 1873."]
