@@ -21,12 +21,12 @@ def kvrag_home(tmp_path_factory):
 @pytest.fixture
 def encoded(engine, monkeypatch) -> list:
     """Token ids of every block `engine` (the requesting directory's fixture) computes during the test:
-    `_encode` is the one place a block's KV is computed."""
-    calls, encode = [], engine._encode
+    `blocks.encode` is the one place a block's KV is computed."""
+    calls, encode = [], engine.blocks.encode
 
     def counting(ids, *args, **kwargs):
         calls.append(ids)
         return encode(ids, *args, **kwargs)
 
-    monkeypatch.setattr(engine, "_encode", counting)
+    monkeypatch.setattr(engine.blocks, "encode", counting)
     return calls

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from kvrag import kernels
-from kvrag.attention import causal_mask, grouped_sdpa_attention
+from kvrag.attention import causal_mask, grouped_sdpa_attention, mask
 
 
 @pytest.mark.parametrize(
@@ -25,8 +25,27 @@ def test_queries_after_cached_keys_see_exactly_the_causal_mask(n, past, monkeypa
     key, value = torch.randn(2, 1, 3, past + n, 64, generator=g)
     mask = causal_mask(n, past, torch.float32)
     expected = F.scaled_dot_product_attention(query, key, value, attn_mask=mask.clone(), enable_gqa=True)
-    out, _ = grouped_sdpa_attention(None, query, key, value, mask)
+    out, _ = grouped_sdpa_attention(None, query, key, value, mask, kvrag_cached=past)
     torch.testing.assert_close(out, expected.transpose(1, 2), rtol=1e-5, atol=1e-5)
+    read, _ = grouped_sdpa_attention(None, query, key, value, mask)  # any other mask is read as given
+    torch.testing.assert_close(read, expected.transpose(1, 2), rtol=1e-5, atol=1e-5)
+
+
+def test_one_mask_builder_makes_causal_position_and_block_masks():
+    causal = mask(torch.arange(2, 5), 5, torch.float32)[0, 0] == 0
+    assert causal.tolist() == [[True, True, True, False, False], [True] * 4 + [False], [True] * 5]
+    at = mask(torch.tensor([1, 3]), 4, torch.float32)[0, 0] == 0  # blend's recomputed tokens
+    assert at.tolist() == [[True, True, False, False], [True] * 4]
+    blocks = torch.tensor([0, 0, 1, 1, 2, 2])  # two blocks, then the question: block attention
+    seen = mask(torch.arange(6), 6, torch.float32, blocks)[0, 0] == 0
+    assert seen.tolist() == [
+        [True, False, False, False, False, False],
+        [True, True, False, False, False, False],
+        [False, False, True, False, False, False],
+        [False, False, True, True, False, False],
+        [True, True, True, True, True, False],
+        [True] * 6,
+    ]
 
 
 def test_queries_after_cached_keys_without_a_mask_are_refused():

@@ -49,7 +49,7 @@ def recomputed(engine, prompt, config):
     """The passage positions blend mode recomputes for `prompt`."""
     ws = engine.pool.acquire(len(prompt) + 1)
     try:
-        position, _, _ = engine._assemble(prompt, [engine.store.key("none", b) for b in prompt.blocks], ws)
+        position, _, _ = engine.blocks.assemble(prompt, [engine.store.key("none", b) for b in prompt.blocks], ws)
         return prefill(engine.model, ws, prompt.ids(), len(prompt.prefix), position, prompt.block_starts(), config)[1]
     finally:
         engine.pool.release(ws)
@@ -66,7 +66,7 @@ def test_selection_takes_the_tokens_whose_kv_deviates_most_in_context(deep_engin
     first = len(prompt.prefix)
     ws = engine.pool.acquire(len(prompt) + 1)
     with torch.inference_mode():
-        engine._assemble(prompt, [engine.store.key("none", b) for b in prompt.blocks], ws)
+        engine.blocks.assemble(prompt, [engine.store.key("none", b) for b in prompt.blocks], ws)
         cached = (ws.values if deviation == "values" else ws.keys)[2][:, :, : len(context)].clone()
     engine.pool.release(ws)
     with torch.no_grad():

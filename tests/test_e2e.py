@@ -4,8 +4,8 @@ import re
 
 import torch
 
-from kvrag.cli import main
-from kvrag.model import kvrag_home
+from kvrag.app.cli import main
+from kvrag.paths import kvrag_home
 
 PASSAGES = [
     "The Varnholm lighthouse was built in 1873 by the engineer Ilsa Brandt. It stands on the northern cliff.",
@@ -96,7 +96,7 @@ def test_blend_moves_the_answer_logits_towards_full(default_engine):
     from pathlib import Path
 
     from kvrag import BlendConfig, KVEngine
-    from kvrag.split import read_text, split_passages, text_files
+    from kvrag.app.split import read_text, split_passages, text_files
 
     engine = KVEngine(default_engine.model, default_engine.tokenizer, home=default_engine.home)
     sample = Path(str(resources.files("kvrag") / "sample"))

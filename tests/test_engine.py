@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from kvrag import ContextOverflowError, EmptyInputError, InputEncodingError, UnknownBlockError
-from kvrag.generate import TextTracker
+from kvrag.decode import TextTracker
 
 TEXTS = ["Ilsa Brandt built the lighthouse of Varnholm in 1873.", "The river Olm freezes every winter."]
 QUESTION = "Who built the lighthouse?"

@@ -84,7 +84,7 @@ def test_prefix_block_context_matches_its_definition(make_engine, tok, arch):
         q = len(prompt.question)
         reference = model(
             torch.tensor([prompt.question]),
-            past_key_values=cache,
+            cache=cache,
             position_ids=torch.arange(position, position + q)[None],
             attention_mask=causal_mask(q, position, torch.float32),
         ).logits[0]
@@ -120,7 +120,7 @@ def test_prefix_mode_is_full_prefill(make_engine, tok, arch):
     engine = make_engine(arch)
     first = random_prompt(len(tok), [7, 40, 50, 30, 6])
     state = engine.prefill(first, "prefix")
-    engine._store_pending(state)  # as a finished request does
+    engine.store_pending(state, "prefix")  # as a finished request does
     engine.release(state)
     again = random_prompt(len(tok), [7, 40, 50, 30, 6], seed=2)
     second = Prompt(first.prefix, [first.blocks[0], *again.blocks[1:]], again.question)

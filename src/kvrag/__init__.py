@@ -1,7 +1,8 @@
 """kvrag: retrieval-augmented generation that prefills each passage once and reuses its KV cache."""
 
 from .blend import BlendConfig
-from .engine import MODES, GenerationStream, KVEngine, Mode
+from .decode import GenerationResult, GenerationStream
+from .engine import KVEngine
 from .errors import (
     ContextOverflowError,
     EmptyInputError,
@@ -10,8 +11,8 @@ from .errors import (
     UnknownBlockError,
     UnsupportedModelError,
 )
-from .generate import GenerationResult
-from .prompt import Passage, Prompt, PromptFormat
+from .modes import MODES, Mode
+from .prompt import Passage, Prompt, PromptFormat, check_text
 
 __all__ = [
     "MODES",
@@ -29,4 +30,5 @@ __all__ = [
     "PromptFormat",
     "UnknownBlockError",
     "UnsupportedModelError",
+    "check_text",
 ]

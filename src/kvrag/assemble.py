@@ -1,13 +1,16 @@
-"""Writing cached blocks into a workspace, each rotated from the position it was encoded at to
-the position it takes in this prompt."""
+"""Blocks in, one workspace cache out: fetch each block's KV from the store (encoding it on a miss)
+and write it into consecutive workspace slots, rotated from the position it was encoded at to the
+position it takes in this prompt."""
 
 from dataclasses import dataclass
 
 import torch
 
 from . import kernels
+from .attention import forward
 from .rope import delta_cos_sin, shift_keys
-from .store import KVBlock
+from .store import KVBlock, KVStore
+from .workspace import Workspace, WorkspacePool
 
 
 @dataclass
@@ -16,7 +19,7 @@ class Piece:
     position: int  # where the block's first token sits in the assembled prompt
 
 
-def fill(workspace, pieces: list[Piece], inv_freq: torch.Tensor) -> int:
+def fill(workspace: Workspace, pieces: list[Piece], inv_freq: torch.Tensor) -> int:
     """Copy the pieces' KV into consecutive workspace slots; return the number of slots filled."""
     slot, lib = 0, kernels.library()
     for piece in pieces:
@@ -35,3 +38,76 @@ def fill(workspace, pieces: list[Piece], inv_freq: torch.Tensor) -> int:
             values.copy_(block.values)
         slot += n
     return slot
+
+
+class Blocks:
+    """One weight set's blocks: their store, how they are encoded, and how a prompt's are assembled.
+
+    `block_context` "none" encodes a passage alone (Block-Attention); "prefix" encodes it after the
+    prompt's prefix, which then becomes part of its key (every block shares that attention sink)."""
+
+    def __init__(self, model, store: KVStore, pool: WorkspacePool, storage_dtype: torch.dtype, block_context: str):
+        self.model, self.store, self.pool = model, store, pool
+        self.storage_dtype, self.block_context = storage_dtype, block_context
+        self.inv_freq = model.get_decoder().rotary_emb.inv_freq
+
+    def encoded_after(self, prefix: list[int]) -> list[int] | None:
+        """What passage blocks are encoded after: nothing, or the prefix."""
+        return prefix if self.block_context == "prefix" and prefix else None
+
+    def context(self, prefix: list[int]) -> str:
+        """Block context string: part of every passage block's key."""
+        return f"prefix:{self.store.key('none', prefix)}" if self.encoded_after(prefix) else "none"
+
+    def keys(self, prefix: list[int], blocks: list[list[int]]) -> list[str]:
+        context = self.context(prefix)
+        return [self.store.key(context, ids) for ids in blocks]
+
+    @torch.inference_mode()
+    def encode(self, ids: list[int], after: list[int] | None = None) -> KVBlock:
+        """KV of `ids` alone at position 0, or right after the (cached) block `after`."""
+        pieces, start = [], 0
+        if after is not None:
+            block, _ = self.fetch(self.store.key("none", after), "none", after)
+            pieces, start = [Piece(block, 0)], len(block)
+        ws = self.pool.acquire(start + len(ids))
+        try:
+            fill(ws, pieces, self.inv_freq)
+            forward(self.model, ids, ws.cache(start), start, keep=-1, causal_only=not pieces)
+            return self.copy_out(ws, start, ids)
+        finally:
+            self.pool.release(ws)
+
+    def copy_out(self, ws: Workspace, slot: int, ids: list[int]) -> KVBlock:
+        """A stored copy of the KV that `ids` left in workspace slots slot.. (keys as encoded there)."""
+        span = slice(slot, slot + len(ids))
+        keys = ws.keys[:, 0, :, span].to(self.storage_dtype, copy=True)
+        values = ws.values[:, 0, :, span].to(self.storage_dtype, copy=True)
+        return KVBlock(torch.tensor(ids, dtype=torch.long), keys, values, slot)
+
+    def fetch(self, key: str, context: str, ids: list[int], after: list[int] | None = None, hits: dict | None = None):
+        """(block, tier) from the store, encoding and storing the block on a miss."""
+        block, tier = self.store.get(key, context)
+        if block is None:
+            block, tier = self.encode(ids, after), "computed"
+            self.store.put(key, context, block)
+        if hits is not None:
+            hits[tier] = hits.get(tier, 0) + 1
+        return block, tier
+
+    def assemble(self, prompt, keys: list[str], ws: Workspace, reorder: bool = True):
+        """Write the prefix's and blocks' KV into `ws`, each block moved to where it sits (`reorder`)
+        or left where it was encoded. Returns the slots filled, a bool per slot telling whether its KV
+        came from the store, and the hits per tier."""
+        hits: dict[str, int] = {}
+        context, after = self.context(prompt.prefix), self.encoded_after(prompt.prefix)
+        parts = [(self.store.key("none", prompt.prefix), "none", prompt.prefix, None)] if prompt.prefix else []
+        parts += [(k, context, ids, after) for k, ids in zip(keys, prompt.blocks)]
+        pieces, position, stored = [], 0, []
+        for key, ctx, ids, encoded_after in parts:
+            block, tier = self.fetch(key, ctx, ids, encoded_after, hits)
+            pieces.append(Piece(block, position if reorder else block.start))
+            position += len(block)
+            stored += [tier != "computed"] * len(block)
+        fill(ws, pieces, self.inv_freq)
+        return position, torch.tensor(stored, dtype=torch.bool), hits

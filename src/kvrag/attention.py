@@ -1,14 +1,15 @@
-"""The attention kvrag runs the model with: PyTorch SDPA with grouped-query heads kept grouped.
+"""The attention kvrag runs the model with, its one mask builder, and the forward call that uses them.
 
-transformers' own SDPA path repeats every key/value head for each query head whenever a mask
-is passed, which copies the whole cache once per layer; with cached passages the mask is always
-passed, so that copy dominated time to first token. `enable_gqa` reads the grouped heads in
-place and is exact. Queries that follow cached keys must come with an explicit mask: relying on
-`is_causal` there silently aligns the causal triangle to the wrong corner (TurboRAG's bug).
-A question after cached keys, under the mask `causal_mask` makes, goes to the C kernel of
-`kernels.py` where it applies: on CPU that attention is most of block mode's time. Longer runs
-after a few cached keys (prefix caching's uncached rest, a passage encoded after the prefix) go
-to flash attention's causal path, which no mask can reach.
+PyTorch SDPA with grouped-query heads kept grouped: transformers' own SDPA path repeats every
+key/value head for each query head whenever a mask is passed, which copies the whole cache once per
+layer; `enable_gqa` reads the grouped heads in place and is exact. Queries that follow cached keys
+must come with an explicit mask: relying on `is_causal` there silently aligns the causal triangle
+to the wrong corner (TurboRAG's bug).
+
+`forward` tells the attention how many cached keys the new tokens follow (an argument that
+transformers hands down to every layer's attention as `kvrag_cached`). Under that plain causal pattern a question over
+a long cache goes to the C kernel of `kernels.py` where it applies, and a long run after a few
+cached keys to flash attention's causal path; any other mask (blend, training) is read as given.
 """
 
 import torch
@@ -19,26 +20,61 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 from . import kernels
 
 NAME = "kvrag_sdpa"
-
-
 QUERY_CHUNK = 64
 
 
-def grouped_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
+def mask(positions: torch.Tensor, keys: int, dtype: torch.dtype, blocks: torch.Tensor | None = None) -> torch.Tensor:
+    """Additive [1, 1, len(positions), keys] mask: the token at `positions[i]` sees keys 0..positions[i].
+
+    `blocks` (a block index per key) narrows that to the token's own block, except for tokens of the
+    last block, which see everything: block attention as fine-tuning trains it."""
+    visible = torch.arange(keys, device=positions.device)[None, :] <= positions[:, None]
+    if blocks is not None:
+        own = blocks[positions][:, None]
+        visible &= (blocks[None, :] == own) | (own == blocks.max())
+    return torch.zeros(visible.shape, dtype=dtype, device=positions.device).masked_fill_(
+        ~visible, torch.finfo(dtype).min
+    )[None, None]
+
+
+def causal_mask(new: int, past: int, dtype: torch.dtype, device=None) -> torch.Tensor:
+    """`new` tokens after `past` cached ones: each sees the whole cache and the new tokens before it."""
+    return mask(torch.arange(past, past + new, device=device), past + new, dtype)
+
+
+def forward(model, ids: list[int], cache, start: int, keep: int = 1, causal_only: bool = False):
+    """Run `model` on `ids` at positions start.., appending to `cache`, which holds `start` tokens.
+
+    Returns the logits of the last `keep` tokens, or the decoder's output when `keep` < 0 (KV only).
+    `causal_only`: nothing is cached before `ids`, so no mask is needed."""
+    device = model.device
+    ids_t = torch.tensor([ids], device=device)
+    positions = torch.arange(start, start + len(ids), device=device)[None]
+    extra = {} if causal_only else {"attention_mask": causal_mask(len(ids), start, model.dtype, device), "kvrag_cached": start}
+    if keep < 0:
+        return model.get_decoder()(input_ids=ids_t, position_ids=positions, cache=cache, **extra)
+    return model(input_ids=ids_t, position_ids=positions, cache=cache, logits_to_keep=keep, **extra).logits[0]
+
+
+def grouped_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
+                           kvrag_cached=None, **kwargs):
+    """`kvrag_cached`: the number of cached keys before the queries, given only where `attention_mask` is
+    `causal_mask`'s (see `forward`)."""
     q_len, kv_len = query.shape[2], key.shape[2]
-    lib = kernels.library()
-    past = kv_len - q_len
-    after_cache = getattr(attention_mask, "past", None) == past and not dropout
-    if lib and after_cache and kernels.attention_applies(query, key, value):
-        out = kernels.attend(lib, query, key, value, scaling or query.shape[-1] ** -0.5)
-        return out.transpose(1, 2).contiguous(), None
+    cached = kvrag_cached
+    after_cache = cached is not None and cached == kv_len - q_len and not dropout
+    if after_cache and kernels.attention_applies(query, key, value):
+        lib = kernels.library()
+        if lib:
+            out = kernels.attend(lib, query, key, value, scaling or query.shape[-1] ** -0.5)
+            return out.transpose(1, 2).contiguous(), None
     if attention_mask is None and q_len > 1 and q_len != kv_len:
-        raise RuntimeError(f"{q_len} queries after {past} cached keys need an explicit attention mask")
+        raise RuntimeError(f"{q_len} queries after {kv_len - q_len} cached keys need an explicit attention mask")
     if attention_mask is not None and attention_mask.dtype != torch.bool:
         attention_mask = attention_mask.to(query.dtype)
     options = dict(dropout_p=dropout, scale=scaling, enable_gqa=query.shape[1] != key.shape[1])
-    if after_cache and QUERY_CHUNK < q_len and past <= q_len:
-        out = _causal_after(query, key, value, past, options)
+    if after_cache and QUERY_CHUNK < q_len and cached <= q_len:
+        out = _causal_after(query, key, value, cached, options)
     elif attention_mask is None or q_len <= QUERY_CHUNK or attention_mask.shape[-2] == 1:
         out = F.scaled_dot_product_attention(
             query, key, value, attn_mask=attention_mask, is_causal=attention_mask is None and q_len > 1, **options
@@ -54,8 +90,7 @@ def _causal_after(query, key, value, past: int, options) -> torch.Tensor:
 
     That path puts the causal triangle in the top-left corner; `past` placeholder queries in front
     move the real ones to the bottom-right, where they belong. Their past²/2 extra scores stay a
-    small share while `past` is at most the queries' length, and no mask is read: prefix mode on a
-    miss now takes full prefill's time (through the mask, 1.15x that at 8K tokens)."""
+    small share while `past` is at most the queries' length, and no mask is read."""
     placeholders = query.new_zeros(*query.shape[:2], past, query.shape[3])
     out = F.scaled_dot_product_attention(torch.cat([placeholders, query], dim=2), key, value, is_causal=True, **options)
     return out[:, :, past:]
@@ -78,14 +113,3 @@ def _rows(query, key, value, mask, rows: slice, options) -> torch.Tensor:
 
 AttentionInterface.register(NAME, grouped_sdpa_attention)
 ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, sdpa_mask)
-
-
-def causal_mask(new: int, past: int, dtype: torch.dtype, device=None) -> torch.Tensor:
-    """Additive [1, 1, new, past + new] mask: every new token sees all past tokens and earlier new ones.
-
-    It records `past`, so that attention can run a kernel that knows this pattern without reading it."""
-    mask = torch.zeros(new, past + new, dtype=dtype, device=device)
-    mask[:, past:] = torch.triu(torch.full((new, new), torch.finfo(dtype).min, dtype=dtype, device=device), 1)
-    mask = mask[None, None]
-    mask.past = past
-    return mask

@@ -22,6 +22,7 @@ from typing import Literal
 import torch
 from transformers.models.llama.modeling_llama import rotate_half
 
+from .attention import mask as attention_mask
 
 
 @dataclass(frozen=True)
@@ -67,13 +68,6 @@ class BlendConfig:
         return min(candidates, round(min(share, 1.0) * candidates))
 
 
-def causal_mask_at(positions: torch.Tensor, length: int, dtype: torch.dtype) -> torch.Tensor:
-    """Additive [1, 1, len(positions), length] mask: the token at position p sees cache slots 0..p."""
-    visible = torch.arange(length, device=positions.device)[None, :] <= positions[:, None]
-    mask = torch.zeros(visible.shape, dtype=dtype, device=positions.device)
-    return mask.masked_fill_(~visible, torch.finfo(dtype).min)[None, None]
-
-
 def fresh_kv(layer, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The keys (rotated to their positions) and values [1, kv_heads, n, head_dim] that `layer`
     computes from `hidden`, as its attention does before writing them to the cache."""
@@ -111,7 +105,7 @@ def prefill(model, workspace, ids: list[int], first: int, context: int, block_st
         if index in config.check_layers:
             stay = _survivors(layer, index, hidden, cos, sin, active, workspace, first, context, sinks, candidates, config)
             active, hidden, cos, sin = active[stay], hidden[:, stay], cos[:, stay], sin[:, stay]
-            mask = causal_mask_at(active, n, hidden.dtype)
+            mask = attention_mask(active, n, hidden.dtype)
         if index == last:  # the passage tokens' output is never read: write their KV and drop them
             passage = int((active < context).sum())
             recomputed = active[:passage]  # the prefix left at the first check layer
@@ -120,13 +114,13 @@ def prefill(model, workspace, ids: list[int], first: int, context: int, block_st
                 workspace.keys[index][:, :, recomputed] = keys
                 workspace.values[index][:, :, recomputed] = values
             active, hidden, cos, sin = active[passage:], hidden[:, passage:], cos[:, passage:], sin[:, passage:]
-            mask = causal_mask_at(active, n, hidden.dtype)
+            mask = attention_mask(active, n, hidden.dtype)
         cache.layers[index].slots = active
         hidden = layer(
             hidden,
             attention_mask=mask,
             position_ids=active[None],
-            past_key_values=cache,
+            cache=cache,
             position_embeddings=(cos, sin),
         )
     for buffer in cache.layers:

@@ -15,8 +15,28 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from .errors import EmptyInputError, InputEncodingError
+
 _PLACEHOLDER = "\x00kvrag-user-message\x00"
 _PASSAGE_MARKER = "\x00kvrag-passage-{}\x00"
+
+
+def check_text(text, what: str = "passage") -> str:
+    """A usable passage or question: a str (or UTF-8 bytes) with something besides whitespace."""
+    if isinstance(text, (bytes, bytearray)):
+        try:
+            text = bytes(text).decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise InputEncodingError(f"{what} is not valid UTF-8: {exc}") from exc
+    if not isinstance(text, str):
+        raise TypeError(f"{what} must be str, got {type(text).__name__}")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InputEncodingError(f"{what} contains characters that are not valid UTF-8: {exc}") from exc
+    if not text.strip():
+        raise EmptyInputError(f"{what} is empty or whitespace only")
+    return text
 
 
 @dataclass(frozen=True)
@@ -104,6 +124,35 @@ class PromptLayout:
     def question_ids(self, question: str, after_passages: bool = True) -> list[int]:
         lead = self.format.separator if after_passages else ""
         return self.encode(lead + self.format.question.format(question=question) + self.tail)
+
+    def cut(self, text: str, spans: Sequence[tuple[int, int]]) -> Prompt:
+        """The prompt of an already rendered text whose passages, at character `spans`, become blocks.
+
+        With a passage format that adds text around the passage (say "[doc] {text}"), a span widens
+        to it where the text has it, so that the block is exactly the one `passage_ids` makes. Text
+        before the first passage is the prefix, text between passages forms small blocks of its own,
+        text after the last passage is the question."""
+        before, after = self.format.passage.split("{text}")
+        cuts, end = [], 0
+        for start, stop in sorted(spans):
+            if not end <= start < stop <= len(text):
+                raise ValueError(f"passage span {(start, stop)} is empty, overlaps another or lies outside the prompt")
+            if not text[start:stop].strip():
+                raise EmptyInputError(f"the passage at {(start, stop)} is whitespace only")
+            if text.startswith(after, stop) and text[start - len(before) : start] == before and start - len(before) >= end:
+                start, stop = start - len(before), stop + len(after)
+            cuts.append((start, stop))
+            end = stop
+        if not cuts:
+            return Prompt([], [], self.encode(text))
+        if not text[end:].strip():
+            raise EmptyInputError("the prompt ends with a passage: a question must follow the passages")
+        blocks = []
+        for (start, stop), next_start in zip(cuts, [c[0] for c in cuts[1:]] + [None]):
+            blocks.append(self.block_ids(text[start:stop]))
+            if next_start is not None and next_start > stop:
+                blocks.append(self.block_ids(text[stop:next_start]))
+        return Prompt(self.encode(text[: cuts[0][0]]), blocks, self.encode(text[end:]))
 
     def render_chat(self, turns: Sequence[tuple[str, Sequence[str | Passage]]]) -> tuple[str, list[tuple[int, int]] | None]:
         """The chat-template text of `turns`, (role, parts) pairs, and the character spans of their

@@ -8,9 +8,7 @@ checksum, and a file that fails any check is deleted and reported as a miss.
 """
 
 import hashlib
-import json
 import os
-import struct
 import threading
 import uuid
 import warnings
@@ -21,6 +19,7 @@ from pathlib import Path
 
 import safetensors.torch
 import torch
+from safetensors import safe_open
 
 FORMAT = "kvrag-kv/1"
 
@@ -143,28 +142,24 @@ class DiskTier:
     def get(self, key: str, context: str) -> KVBlock | None:
         path = self.path(key)
         try:
-            data = path.read_bytes()
+            return self._read(path, key, context)
         except FileNotFoundError:
             return None
-        try:
-            return self._decode(data, key, context)
         except Exception as exc:  # any defect means the file must not be served
             warnings.warn(f"kvrag: dropping unusable KV file {path}: {exc}", RuntimeWarning, stacklevel=3)
             path.unlink(missing_ok=True)
             return None
 
-    def _decode(self, data: bytes, key: str, context: str) -> KVBlock:
-        if len(data) < 8:
-            raise ValueError("truncated header")
-        (header_len,) = struct.unpack("<Q", data[:8])
-        if 8 + header_len > len(data):
-            raise ValueError("truncated header")
-        metadata = json.loads(data[8 : 8 + header_len]).get("__metadata__") or {}
+    def _read(self, path: Path, key: str, context: str) -> KVBlock:
+        """The header through `safe_open`; the tensors from one read of the file into memory, because
+        `safe_open`'s tensors stay mapped to the file, and a file truncated later would end the process."""
+        with safe_open(path, framework="pt") as f:
+            metadata = f.metadata() or {}
         expected = {"format": FORMAT, "fingerprint": self.fingerprint, "key": key, "context": context}
         for field, value in expected.items():
             if metadata.get(field) != value:
                 raise ValueError(f"header field {field!r} is {metadata.get(field)!r}, expected {value!r}")
-        tensors = safetensors.torch.load(data)
+        tensors = safetensors.torch.load(path.read_bytes())
         if _checksum(tensors) != metadata.get("checksum"):
             raise ValueError("checksum mismatch")
         if ids_digest(tensors["token_ids"]) != metadata.get("ids_sha256"):

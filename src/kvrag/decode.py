@@ -1,8 +1,12 @@
-"""Decoding after the prefill: sampling, stop strings, incremental text, and the result record."""
+"""The token loop after the prefill: sampling, stop strings, incremental text, timing, the result."""
 
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
+
+from .attention import forward
 
 
 @dataclass
@@ -89,3 +93,71 @@ class TextTracker:
         delta = self.text[self.emitted :]
         self.emitted = len(self.text)
         return delta
+
+
+class GenerationStream:
+    """Iterate for text deltas; `result` is set once the iteration is over."""
+
+    def __init__(self, run: Iterator[str]):
+        self._run = run
+        self.result: GenerationResult | None = None
+
+    def __iter__(self) -> Iterator[str]:
+        self.result = yield from self._run
+
+    def drain(self) -> GenerationResult:
+        for _ in self:
+            pass
+        return self.result
+
+
+@torch.inference_mode()
+def run(engine, build, mode: str, max_new_tokens: int, sampler: Sampler, stops: list[str], max_time=None, blend=None):
+    """Yield text deltas; return the GenerationResult. `build` makes (prompt, keys): inside the timing,
+    as is the KV loading of `engine.prefill`."""
+    start = time.perf_counter()
+    prompt, keys = build()
+    budget = min(max_new_tokens, engine.context_window - len(prompt))
+    state = engine.prefill(prompt, mode, keys=keys, extra_capacity=budget, blend=blend)
+    model = engine.model_for(mode)
+    tracker = TextTracker(engine.tokenizer, stops)
+    ttft, finish = None, "length"
+    try:
+        logits, position = state.logits[-1], state.next_position
+        for step in range(budget):
+            token = sampler(logits)
+            if ttft is None:
+                ttft = time.perf_counter() - start
+            if token in engine.eos_ids:
+                finish = "stop"
+                break
+            delta = tracker.push(token)
+            if delta:
+                yield delta
+            if tracker.stopped:
+                finish = "stop"
+                break
+            if max_time is not None and time.perf_counter() - start > max_time:
+                finish = "timeout"
+                break
+            if step + 1 < budget:
+                logits = forward(model, [token], state.cache, position)[-1]
+                position += 1
+        tail = tracker.flush()
+        if tail:
+            yield tail
+        engine.store_pending(state, mode)
+    finally:
+        engine.release(state)
+    return GenerationResult(
+        text=tracker.text,
+        token_ids=list(tracker.ids),
+        mode=mode,
+        ttft=ttft,
+        total_time=time.perf_counter() - start,
+        prompt_tokens=len(prompt),
+        prefilled_tokens=state.prefilled_tokens,
+        reused_tokens=state.reused_tokens,
+        cache_hits=state.cache_hits,
+        finish_reason=finish,
+    )

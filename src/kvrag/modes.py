@@ -1,0 +1,116 @@
+"""One prefill function per mode. Every mode prefills exactly the ids of `Prompt.ids()`; they differ
+in what is reused:
+
+  full       plain causal prefill of every token, nothing reused (the "stuff" baseline)
+  block      cached blocks moved to contiguous positions, only the question is prefilled
+             (Block-Attention / TurboRAG "reordered")
+  composite  cached blocks keep the positions they were encoded at (TurboRAG "composite")
+  prefix     prefix caching: reuse the longest run of leading blocks whose exact causal KV was
+             computed before in the same order, prefill the rest
+  blend      block mode plus CacheBlend: recompute the passage tokens whose KV deviates most
+             with the question, restoring cross-passage attention (see blend.py)
+
+Each takes the `Blocks` of the weights it runs on (the causal modes, full and prefix, run on the
+published weights when an adapter serves the block modes), the prompt, its blocks' store keys, a
+workspace large enough for the prompt, how many logits to keep, and blend's settings.
+"""
+
+from dataclasses import dataclass, field
+from typing import Literal, get_args
+
+import torch
+
+from . import blend as blend_lib
+from .assemble import Blocks, Piece, fill
+from .attention import forward
+from .prompt import Prompt
+from .workspace import Workspace
+
+Mode = Literal["full", "block", "composite", "prefix", "blend"]
+MODES: tuple[str, ...] = get_args(Mode)
+CAUSAL_MODES = ("full", "prefix")  # plain causal attention, the attention the published weights were trained for
+
+
+@dataclass
+class Prefill:
+    """A prompt whose KV sits in `cache`; `logits` are the question tokens' (or only the last one's)."""
+
+    logits: torch.Tensor
+    cache: object
+    next_position: int
+    prefilled_tokens: int
+    reused_tokens: int
+    cache_hits: dict[str, int]
+    workspace: Workspace
+    pending: list = field(default_factory=list)  # (key, context, slot, token ids) to store afterwards
+
+
+def full(blocks: Blocks, prompt: Prompt, keys, ws: Workspace, keep: int, config=None) -> Prefill:
+    ids = prompt.ids()
+    cache = ws.cache(0)
+    logits = forward(blocks.model, ids, cache, 0, keep, causal_only=True)
+    return Prefill(logits, cache, len(ids), len(ids), 0, {}, ws)
+
+
+def block(blocks: Blocks, prompt: Prompt, keys, ws: Workspace, keep: int, config=None, reorder: bool = True) -> Prefill:
+    position, stored, hits = blocks.assemble(prompt, keys, ws, reorder)
+    cache = ws.cache(position)
+    logits = forward(blocks.model, prompt.question, cache, position, keep)
+    reused = int(stored.sum())
+    computed = position - reused + len(prompt.question)
+    return Prefill(logits, cache, position + len(prompt.question), computed, reused, hits, ws)
+
+
+def composite(blocks: Blocks, prompt: Prompt, keys, ws: Workspace, keep: int, config=None) -> Prefill:
+    return block(blocks, prompt, keys, ws, keep, reorder=False)
+
+
+def blend(blocks: Blocks, prompt: Prompt, keys, ws: Workspace, keep: int, config: blend_lib.BlendConfig) -> Prefill:
+    """Block mode's cache, then the question with the passage tokens whose KV deviates most,
+    recomputed in context over it."""
+    position, stored, hits = blocks.assemble(prompt, keys, ws)
+    first, starts = len(prompt.prefix), prompt.block_starts()
+    logits, recomputed = blend_lib.prefill(blocks.model, ws, prompt.ids(), first, position, starts, config, keep)
+    reused = int(stored.sum() - stored[recomputed.cpu()].sum())
+    computed = int((~stored).sum()) + len(recomputed) + len(prompt.question)
+    return Prefill(logits, ws.cache(len(prompt)), len(prompt), computed, reused, hits, ws)
+
+
+def prefix(blocks: Blocks, prompt: Prompt, keys, ws: Workspace, keep: int, config=None) -> Prefill:
+    """Prefix caching: segments are keyed by everything before them, so only exact prefixes match.
+    The segments computed here are stored by `store_pending` once the request is done."""
+    store, hits = blocks.store, {}
+    segments = [s for s in [prompt.prefix, *prompt.blocks] if s]
+    chain, parent = [], ""
+    for ids in segments:
+        parent = store.key(f"chain:{parent}", ids)
+        chain.append(parent)
+    contexts = [f"chain:{chain[i - 1] if i else ''}" for i in range(len(chain))]
+    pieces, position = [], 0
+    for key, context in zip(chain, contexts):
+        found, tier = store.get(key, context)
+        if found is None:
+            break
+        hits[tier] = hits.get(tier, 0) + 1
+        pieces.append(Piece(found, position))
+        position += len(found)
+    reused = position
+    fill(ws, pieces, blocks.inv_freq)
+    cache = ws.cache(position)
+    rest = [t for ids in segments[len(pieces) :] for t in ids] + prompt.question
+    logits = forward(blocks.model, rest, cache, position, keep)
+    pending, slot = [], position
+    for i in range(len(pieces), len(segments)):
+        hits["computed"] = hits.get("computed", 0) + 1
+        pending.append((chain[i], contexts[i], slot, segments[i]))
+        slot += len(segments[i])
+    return Prefill(logits, cache, len(prompt), len(rest), reused, hits, ws, pending)
+
+
+def store_pending(blocks: Blocks, state: Prefill) -> None:
+    """Save the segments a prefix-caching request computed, read back from its workspace."""
+    for key, context, slot, ids in state.pending:
+        blocks.store.put(key, context, blocks.copy_out(state.workspace, slot, ids))
+
+
+PREFILL = {"full": full, "block": block, "composite": composite, "prefix": prefix, "blend": blend}
