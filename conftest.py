@@ -30,3 +30,34 @@ def encoded(engine, monkeypatch) -> list:
 
     monkeypatch.setattr(engine.blocks, "encode", counting)
     return calls
+
+
+_in_e2e_test = [False]
+
+
+def pytest_configure(config):
+    """The real default model loads only in tests marked e2e, so that `pytest -m "not e2e"` is model-free.
+
+    Checked in every run, not only under that filter: asking for the shared engine is refused as well as
+    loading the model, since an earlier e2e test may have loaded it already."""
+    from kvrag import KVEngine, loading
+
+    def refuse_outside_e2e(model):
+        if model is None and not _in_e2e_test[0]:
+            raise AssertionError("a test not marked @pytest.mark.e2e uses the real default model")
+
+    shared, load = KVEngine.shared.__func__, loading.load
+
+    def guarded_shared(cls, model=None, **kwargs):
+        refuse_outside_e2e(model)
+        return shared(cls, model, **kwargs)
+
+    def guarded_load(model=None, **kwargs):
+        refuse_outside_e2e(model)
+        return load(model, **kwargs)
+
+    KVEngine.shared, loading.load = classmethod(guarded_shared), guarded_load
+
+
+def pytest_runtest_setup(item):
+    _in_e2e_test[0] = item.get_closest_marker("e2e") is not None
