@@ -6,10 +6,11 @@ layer; `enable_gqa` reads the grouped heads in place and is exact. Queries that 
 must come with an explicit mask: relying on `is_causal` there silently aligns the causal triangle
 to the wrong corner (TurboRAG's bug).
 
-`forward` tells the attention how many cached keys the new tokens follow (an argument that
-transformers hands down to every layer's attention as `kvrag_cached`). Under that plain causal pattern a question over
-a long cache goes to the C kernel of `kernels.py` where it applies, and a long run after a few
-cached keys to flash attention's causal path; any other mask (blend, training) is read as given.
+`forward` tells the attention how many cached keys the new tokens follow (`kvrag_cached`, an
+argument transformers hands down to every layer's attention). Under that plain causal pattern a
+question over a long cache goes to the C kernel of `kernels.py` where it applies, and a long run
+after a few cached keys to flash attention's causal path; any other mask (blend, training) is read
+as given.
 """
 
 import torch
@@ -61,8 +62,7 @@ def grouped_sdpa_attention(module, query, key, value, attention_mask, dropout=0.
     """`kvrag_cached`: the number of cached keys before the queries, given only where `attention_mask` is
     `causal_mask`'s (see `forward`)."""
     q_len, kv_len = query.shape[2], key.shape[2]
-    cached = kvrag_cached
-    after_cache = cached is not None and cached == kv_len - q_len and not dropout
+    after_cache = kvrag_cached == kv_len - q_len and not dropout
     if after_cache and kernels.attention_applies(query, key, value):
         lib = kernels.library()
         if lib:
@@ -73,8 +73,8 @@ def grouped_sdpa_attention(module, query, key, value, attention_mask, dropout=0.
     if attention_mask is not None and attention_mask.dtype != torch.bool:
         attention_mask = attention_mask.to(query.dtype)
     options = dict(dropout_p=dropout, scale=scaling, enable_gqa=query.shape[1] != key.shape[1])
-    if after_cache and QUERY_CHUNK < q_len and cached <= q_len:
-        out = _causal_after(query, key, value, cached, options)
+    if after_cache and QUERY_CHUNK < q_len and kvrag_cached <= q_len:
+        out = _causal_after(query, key, value, kvrag_cached, options)
     elif attention_mask is None or q_len <= QUERY_CHUNK or attention_mask.shape[-2] == 1:
         out = F.scaled_dot_product_attention(
             query, key, value, attn_mask=attention_mask, is_causal=attention_mask is None and q_len > 1, **options
