@@ -73,7 +73,7 @@ def test_demo_runs_offline(capsys):
     answers = {mode: re.findall(rf"^  {mode} +\d+ms  \S", out, re.M) for mode in ("full", "block")}
     assert len(answers["full"]) == len(answers["block"]) == 6  # every sample question, in both modes
     assert "median TTFT speed-up of block over full" in out
-    # the shipped adapter's scale was chosen so that block mode answers every one of them (README)
+    # the shipped adapter's scale was chosen so that block mode answers every one of them (docs/finetuning.md)
     assert "gold answer in them: full 6 of 6, block 6 of 6" in out
 
 

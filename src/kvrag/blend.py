@@ -33,7 +33,7 @@ class BlendConfig:
                      1 is full prefill; CacheBlend's default 0.15.
     check_layers     decoder layers on which deviation is measured; layer 0's KV depends only on
                      the token itself, so the first layer that can deviate is 1 (the default).
-    deviation        compare "keys" (measured closer to full here, see the README) or "values"
+    deviation        compare "keys" (measured closer to full here, see docs/modes.md) or "values"
                      (CacheBlend's implementation).
     widen            with several check layers, the first keeps `widen` times the final share and
                      later ones narrow it linearly to `recompute_ratio` (CacheBlend's gradual filtering).

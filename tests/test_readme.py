@@ -1,0 +1,97 @@
+"""The README is a newcomer's path: its set-up commands are the two that CI runs, every Python
+snippet in it and in docs/ runs as written, and its links lead somewhere.
+
+Snippets run in this process, each in a fresh namespace, from the repository root, with the
+session's KVRAG_HOME (the root conftest). Those that load the real default model are marked e2e.
+A command that needs a server or a long job goes in a ```bash block, which is never run.
+"""
+
+import gc
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+DOCS = sorted((ROOT / "docs").glob("*.md"))
+FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.MULTILINE | re.DOTALL)
+LOADS_MODEL = ("KVEngine", "ChatKVRag", "KVRagVectorStore", "KVRagLLM")  # what builds an engine
+
+
+def snippets(path: Path, language: str) -> list[tuple[int, str]]:
+    """(first line number, code) of every fenced block in `language`."""
+    text = path.read_text(encoding="utf-8")
+    return [(text.count("\n", 0, m.start(2)) + 1, m.group(2)) for m in FENCE.finditer(text) if m.group(1) == language]
+
+
+def commands(code: str) -> list[str]:
+    """The shell commands of a block: comments and blank lines dropped."""
+    lines = (line.split("#", 1)[0].strip() for line in code.splitlines())
+    return [line for line in lines if line]
+
+
+def python_cases():
+    for path in [README, *DOCS]:
+        for line, code in snippets(path, "python"):
+            marks = [pytest.mark.e2e] if any(name in code for name in LOADS_MODEL) else []
+            yield pytest.param(path, line, code, marks=marks, id=f"{path.relative_to(ROOT)}:{line}")
+
+
+@pytest.mark.parametrize("path, line, code", list(python_cases()))
+def test_python_snippet_runs(path, line, code, monkeypatch, capsys):
+    monkeypatch.chdir(ROOT)
+    namespace = {"__name__": "__main__"}
+    try:
+        exec(compile(code, f"{path.relative_to(ROOT)}:{line}", "exec"), namespace)  # noqa: S102 (the README's own code)
+    finally:
+        namespace.clear()  # the snippet's engine goes before the next snippet loads its own
+        gc.collect()
+    assert capsys.readouterr().out.strip(), "the snippet printed nothing"
+
+
+def test_the_results_file_reproduces_the_accuracy_tables(monkeypatch, capsys):
+    """The recomputation snippet in docs/benchmarks.md prints the docs' table rows and the README's interval."""
+    (line, code), = [(n, c) for n, c in snippets(ROOT / "docs" / "benchmarks.md", "python") if "accuracy.csv.gz" in c]
+    monkeypatch.chdir(ROOT)
+    exec(compile(code, f"docs/benchmarks.md:{line}", "exec"), {"__name__": "__main__"})  # noqa: S102
+    out = capsys.readouterr().out
+    benchmarks = (ROOT / "docs" / "benchmarks.md").read_text(encoding="utf-8")
+    rows = [row for row in out.splitlines() if row.startswith("| ") and "---" not in row]
+    assert len(rows) == 8  # the header and seven methods
+    for row in rows:
+        assert row in benchmarks, row
+    assert "block - full: -0.1 ± 2.7 points" in out
+    assert "-0.1 ± 2.7 points" in README.read_text(encoding="utf-8")
+
+
+def test_setup_commands_are_the_two_that_ci_runs():
+    text = README.read_text(encoding="utf-8")
+    section = text.split("\n## Two commands\n", 1)[1].split("\n## ", 1)[0]
+    shell = [code for language, code in FENCE.findall(section) if language in ("bash", "sh")]
+    assert [commands(code) for code in shell] == [["./run demo", "./run test"]]
+    ci = commands((ROOT / ".ci" / "run").read_text(encoding="utf-8"))
+    assert ci[-1] == "./run test"
+
+
+def test_readme_is_short():
+    assert len(README.read_text(encoding="utf-8").splitlines()) <= 250
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor for a Markdown heading."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+@pytest.mark.parametrize("path", [README, *DOCS], ids=lambda p: str(p.relative_to(ROOT)))
+def test_links_lead_somewhere(path):
+    text = FENCE.sub("", path.read_text(encoding="utf-8"))
+    for target in re.findall(r"\]\(([^)\s]+)\)", text):
+        if target.startswith(("http://", "https://")):
+            continue
+        file, _, anchor = target.partition("#")
+        linked = (path.parent / file).resolve() if file else path
+        assert linked.exists(), f"{path.name} links to {target}, which does not exist"
+        if anchor:
+            headings = re.findall(r"^#+ (.+)$", FENCE.sub("", linked.read_text(encoding="utf-8")), re.MULTILINE)
+            assert anchor in {slug(h) for h in headings}, f"{path.name} links to {target}: no such heading"
