@@ -5,6 +5,8 @@ import json
 from importlib import resources
 from pathlib import Path
 
+from kvrag.eval.metrics import answer_in_output
+
 SAMPLE = Path(str(resources.files("kvrag") / "sample"))
 
 
@@ -40,9 +42,9 @@ def parse_args(description: str, baselines: list[str], argv=None, **extra: dict)
 
 
 def answer_line(name: str, timing: str, answer: str, expected: list[str], width: int = 100) -> str:
-    """One row: the name, its timing, the answer on one line, and [ok] / [?] when answers are known."""
+    """One row: the name, its timing, the answer on one line, and [ok] / [?] when answers are known
+    (kvrag's metric: a given answer appears in the reply, as whole words)."""
     text = " ".join(answer.split())
     text = text if len(text) <= width else text[: width - 3] + "..."
-    expected = [a.lower() for a in expected]
-    mark = "" if not expected else " [ok]" if any(a in answer.lower() for a in expected) else " [?]"
+    mark = "" if not expected else " [ok]" if answer_in_output(answer, expected) else " [?]"
     return f"  {name:<24} {timing}  {text}{mark}"

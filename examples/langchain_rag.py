@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 from kvrag import KVEngine
-from kvrag.split import read_text, split_passages, text_files
+from kvrag.app.split import read_text, split_passages, text_files
 from langchain_kvrag.chains import CHAIN_KINDS, rag_chain
 from langchain_kvrag.chat_models import ChatKVRag
 from langchain_kvrag.vectorstores import KVRagVectorStore

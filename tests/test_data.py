@@ -4,7 +4,8 @@ import re
 from collections import Counter
 
 import pytest
-from kvrag import data
+
+from kvrag.eval import data
 
 N = 120
 
@@ -45,6 +46,7 @@ def test_shape_types_and_passage_counts(test_split):
         assert all(len(e.passages) == k for e in data.generate("dev", 8, passages=k))
 
 
+@pytest.mark.e2e  # counted with the default model's tokenizer
 def test_passages_are_60_to_200_tokens(test_split, prose_split, default_engine):
     lengths = [len(default_engine.layout.passage_ids(p)) for e in test_split + prose_split for p in e.passages]
     assert 60 <= min(lengths) and max(lengths) <= 200

@@ -8,10 +8,10 @@ import torch
 from test_invariants import question_logits, random_prompt
 from tiny import block_mask, tiny_configs, tiny_model
 
-from kvrag import KVEngine
-from kvrag import finetune as ft
-from kvrag.evaluate import _settings
-from kvrag.finetune import TrainConfig, attention_mask, block_lengths, encode, loss, train
+from kvrag import KVEngine, attention
+from kvrag.eval.accuracy import _settings
+from kvrag.train import finetune as ft
+from kvrag.train.finetune import TrainConfig, block_index, block_lengths, encode, loss, train
 
 PASSAGES = ["Ravel Osk was born in Dranvi in 1901.", "Dranvi lies in the country of Brasdra.", "Lailgro Works makes rope."]
 QUESTION = "In which country was Ravel Osk born?"
@@ -26,10 +26,17 @@ def _forward(model, example):
 
 
 def test_the_training_mask_is_the_block_attention_mask(tok):
+    """The core's one mask builder, given each token's block, is the block-attention mask."""
     prompt = random_prompt(len(tok))
     lengths = block_lengths(prompt, answer_tokens=5)
     assert lengths == [len(prompt.prefix), *map(len, prompt.blocks), len(prompt.question) + 5]
-    torch.testing.assert_close(attention_mask(lengths), block_mask(lengths), rtol=0, atol=0)
+    n = sum(lengths)
+    ids = list(range(n))
+    example = ft.TrainingExample(ids, ids, lengths)
+    torch.testing.assert_close(example.mask(), block_mask(lengths), rtol=0, atol=0)
+    torch.testing.assert_close(attention.mask(torch.arange(n), n, torch.float32, blocks=block_index(lengths)),
+                               block_mask(lengths), rtol=0, atol=0)
+    torch.testing.assert_close(ft.TrainingExample(ids, ids, [n]).mask(), block_mask([n]), rtol=0, atol=0)  # plain causal
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "llama3-scaled"])
@@ -237,7 +244,7 @@ def test_prefix_block_context_is_refused(make_engine):
 
 
 def test_the_unanswerable_share_keeps_every_answerable_question():
-    from kvrag import data
+    from kvrag.eval import data
 
     questions = data.generate("train", n=200, passages=5)
     answerable = [q for q in questions if q.type != "unanswerable"]
@@ -253,7 +260,7 @@ def test_the_unanswerable_share_keeps_every_answerable_question():
 def test_the_default_model_comes_with_the_shipped_block_adapter(default_engine):
     """adapter="auto" (the default) merges the adapter shipped in the package into the default model's
     block-mode weights; None loads the published weights: another fingerprint, so that KV never mix."""
-    from kvrag.model import DEFAULT_ADAPTER
+    from kvrag.loading import DEFAULT_ADAPTER
 
     shipped = {p.name: p.stat().st_size for p in DEFAULT_ADAPTER.iterdir()}
     assert {"adapter_config.json", "adapter_model.safetensors"} <= shipped.keys()
@@ -266,7 +273,7 @@ def test_the_default_model_comes_with_the_shipped_block_adapter(default_engine):
 
 @pytest.mark.e2e
 def test_finetune_command_on_the_default_model(kvrag_home, tmp_path, capsys):
-    from kvrag.cli import main
+    from kvrag.app.cli import main
 
     out = tmp_path / "run"
     argv = ["finetune", str(out), "--questions", "4", "--passages", "5", "--steps", "2", "--accumulate", "1",

@@ -1,7 +1,8 @@
 """Accuracy and token F1 against examples computed by hand."""
 
 import pytest
-from kvrag.metrics import answer_in_output, normalize, token_f1
+
+from kvrag.eval.metrics import answer_in_output, normalize, token_f1
 
 
 def test_normalize_drops_case_punctuation_and_articles():

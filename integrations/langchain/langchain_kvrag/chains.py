@@ -21,6 +21,10 @@ Kinds:
   ``ChatKVRag``, which serves every ``text-plain`` block from its cached KV and prefills only the
   question; other chat models may reject ``text-plain`` blocks.
 
+``map_reduce`` and ``map_rerank`` are `kvrag.eval.chains`' baselines as LCEL: the same instructions,
+user messages, note filter and reply parsing, so on ``ChatKVRag(mode="full")`` they answer exactly as
+the ``kvrag bench accuracy`` runs of ``map_reduce`` / ``map_rerank`` do.
+
 ``stuff`` and ``kv_blocks`` send the same text by default (kvrag's instruction as the system
 message; the passages, a blank line between each, and the question as the user message). With
 ``ChatKVRag(mode="full")`` they prefill the same tokens and give the same answer; with
@@ -34,9 +38,17 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
-from kvrag import PromptFormat, rerank
-from kvrag.chains import MAP_NOTES_SYSTEM, join_notes
-from kvrag.rerank import MAP_RERANK_SYSTEM, best_answer, parse_scored_answer
+from kvrag import PromptFormat
+from kvrag.eval import chains as baselines
+from kvrag.eval.chains import (
+    MAP_NOTES_SYSTEM,
+    MAP_RERANK_SYSTEM,
+    MAP_USER,
+    REDUCE_USER,
+    best_answer,
+    join_notes,
+    parse_scored_answer,
+)
 from langchain_core.documents import Document
 from langchain_core.language_models import BaseLanguageModel
 from langchain_core.messages import BaseMessage, HumanMessage, SystemMessage
@@ -77,13 +89,13 @@ generic system prompt and the default model answers noticeably worse."""
 STUFF_PROMPT = ChatPromptTemplate.from_messages([("system", SYSTEM), ("human", "{context}\n\n{question}")])
 """Variables: ``context`` (the passages joined), ``question``."""
 
-MAP_PROMPT = ChatPromptTemplate.from_messages([("system", MAP_NOTES_SYSTEM), ("human", "{passage}\n\n{question}")])
+MAP_PROMPT = ChatPromptTemplate.from_messages([("system", MAP_NOTES_SYSTEM), ("human", MAP_USER)])
 """Variables: ``passage`` (one passage), ``question``."""
 
-REDUCE_PROMPT = ChatPromptTemplate.from_messages([("system", SYSTEM), ("human", "{notes}\n\n{question}")])
+REDUCE_PROMPT = ChatPromptTemplate.from_messages([("system", SYSTEM), ("human", REDUCE_USER)])
 """Variables: ``notes`` (the map step's notes joined like passages), ``question``."""
 
-MAP_RERANK_PROMPT = ChatPromptTemplate.from_messages([("system", MAP_RERANK_SYSTEM), ("human", "{passage}\n\n{question}")])
+MAP_RERANK_PROMPT = ChatPromptTemplate.from_messages([("system", MAP_RERANK_SYSTEM), ("human", MAP_USER)])
 """Variables: ``passage`` (one passage), ``question``. The reply should end with ``Score: N``."""
 
 
@@ -249,7 +261,7 @@ def map_reduce_chain(
 
 
 @dataclass(frozen=True)
-class ScoredAnswer(rerank.ScoredAnswer):
+class ScoredAnswer(baselines.ScoredAnswer):
     """One passage's answer in map_rerank, with the document it came from and the model's message."""
 
     document: Document | None = None

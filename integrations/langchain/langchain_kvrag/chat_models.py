@@ -16,8 +16,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from kvrag import KVEngine, Mode, Passage
-from kvrag.engine import GenerationResult
+from kvrag import GenerationResult, KVEngine, Mode, Passage
 from langchain_core.callbacks import CallbackManagerForLLMRun
 from langchain_core.language_models import BaseChatModel, LangSmithParams
 from langchain_core.language_models.chat_models import generate_from_stream

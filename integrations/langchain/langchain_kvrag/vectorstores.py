@@ -12,9 +12,8 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from chromadb.config import Settings
 from kvrag import KVEngine
-from kvrag.model import kvrag_home
+from kvrag.app.retrieval import chroma_client, chroma_collection, chroma_path
 from langchain_chroma import Chroma
 from langchain_core.documents import Document
 from langchain_core.embeddings import Embeddings
@@ -47,16 +46,18 @@ def default_chroma(
 ) -> Chroma:
     """An embedded Chroma collection on disk (`$KVRAG_HOME/chroma` unless told otherwise).
 
-    Cosine space, because kvrag's embeddings are unit vectors; telemetry off, with the same
-    client settings as the kvrag CLI, so both can open the same directory in one process.
+    Opened by `kvrag.app.retrieval.chroma_collection`, as the kvrag CLI opens its own: cosine space
+    (kvrag's embeddings are unit vectors), telemetry off, the same client settings, so both can open
+    the same directory in one process.
     """
-    directory = Path(persist_directory) if persist_directory is not None else kvrag_home() / "chroma"
+    directory = Path(persist_directory) if persist_directory is not None else chroma_path()
+    name = collection_name or DEFAULT_COLLECTION
+    chroma_collection(directory, name)
     return _Chroma(
-        collection_name=collection_name or DEFAULT_COLLECTION,
+        collection_name=name,
         embedding_function=embedding if embedding is not None else KVRagEmbeddings(),
-        persist_directory=str(directory),
-        client_settings=Settings(anonymized_telemetry=False),
-        collection_configuration={"hnsw": {"space": "cosine"}},
+        client=chroma_client(directory),
+        create_collection_if_not_exists=False,
     )
 
 

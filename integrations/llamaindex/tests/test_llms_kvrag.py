@@ -18,6 +18,8 @@ from llama_index.core.base.llms.types import (
 
 from llama_index.llms.kvrag import KVRagLLM
 
+pytestmark = pytest.mark.e2e  # the real default model (conftest's engine)
+
 PASSAGES = [
     "The Quillmere observatory was founded in 1911 by the astronomer Petra Vaskane on the slopes of Mount Odrun.",
     "The ferry between Lisk and Harrowgate leaves every morning at seven and takes four hours in calm weather.",

@@ -1,6 +1,6 @@
 """KVPrecompute in LlamaIndex's ingestion paths, on the real default model and a persistent Chroma.
 
-Computed blocks are counted through `engine._encode` (the `encoded` fixture); each test ingests
+Computed blocks are counted through `engine.blocks.encode` (the `encoded` fixture); each test ingests
 documents of its own so that nothing was stored before it.
 """
 
@@ -13,6 +13,8 @@ from llama_index.core.node_parser import SentenceSplitter
 from llama_index.core.schema import MetadataMode, NodeWithScore, TextNode
 
 from llama_index.llms.kvrag import KVBlockSynthesizer, KVPrecompute, KVRagLLM, default_vector_store
+
+pytestmark = pytest.mark.e2e  # the real default model (conftest's engine)
 
 
 def documents(passages: list[str]) -> list[Document]:

@@ -2,7 +2,7 @@
 
 What is asserted about answers is what the 135M model does reliably on this corpus: it names the
 head keeper of the Hallow Archive in every mode. The comparison synthesizers are only required to
-answer. A scripted LLM checks how map-rerank picks its answer.
+answer. (How map-rerank picks its answer, with a scripted LLM: test_map_rerank.py.)
 """
 
 import json
@@ -12,18 +12,15 @@ import sys
 from collections.abc import Sequence
 from importlib import resources
 from pathlib import Path
-from typing import Any
 
 import pytest
 from kvrag import ContextOverflowError, EmptyInputError
 from llama_index.core import SimpleDirectoryReader, VectorStoreIndex, get_response_synthesizer
-from llama_index.core.base.llms.types import ChatMessage, CompletionResponse, LLMMetadata
 from llama_index.core.base.response.schema import AsyncStreamingResponse, StreamingResponse
 from llama_index.core.ingestion import IngestionPipeline
 from llama_index.core.instrumentation import get_dispatcher
 from llama_index.core.instrumentation.event_handlers import BaseEventHandler
 from llama_index.core.instrumentation.events.llm import LLMChatEndEvent
-from llama_index.core.llms import CustomLLM, MockLLM
 from llama_index.core.node_parser import SentenceSplitter
 from llama_index.core.query_engine import RetrieverQueryEngine
 from llama_index.core.schema import MetadataMode, NodeWithScore, TextNode
@@ -151,55 +148,6 @@ async def test_bad_nodes_get_clear_errors_and_store_nothing(llm, encoded):
     with pytest.raises(ContextOverflowError, match="context window"):
         synthesizer.synthesize(KEEPER, [huge])
     assert encoded == []
-
-
-def test_only_kvrag_llm_can_serve_blocks():
-    with pytest.raises(TypeError, match="needs a KVRagLLM"):
-        KVBlockSynthesizer(MockLLM())
-
-
-class ScriptedLLM(CustomLLM):
-    """Replies to each map-rerank call by the passage it was given."""
-
-    replies: dict[str, str]
-
-    @property
-    def metadata(self) -> LLMMetadata:
-        return LLMMetadata(is_chat_model=True)
-
-    def chat(self, messages: Sequence[ChatMessage], **kwargs: Any):
-        from llama_index.core.base.llms.types import ChatResponse
-
-        passage = messages[-1].content.split("\n\n")[0]
-        return ChatResponse(message=ChatMessage(role="assistant", content=self.replies[passage]))
-
-    async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any):
-        return self.chat(messages, **kwargs)
-
-    def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
-        raise AssertionError("map-rerank chats")
-
-    def stream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any):
-        raise AssertionError("map-rerank chats")
-
-
-NODES = [NodeWithScore(node=TextNode(text=t)) for t in ("first passage", "second passage", "third passage")]
-
-
-@pytest.mark.parametrize(
-    "replies, answer",
-    [
-        (["one. Score: 20", "two. Score: 90", "three. Score: 50"], "two."),
-        (["no score", "two. Score: 50", "three. Score: 50"], "two."),  # ties: the earlier node
-        (["a", "b", "c"], "a"),  # nothing scored: the retriever's best
-    ],
-)
-async def test_map_rerank_takes_the_best_scored_answer(replies, answer):
-    llm = ScriptedLLM(replies=dict(zip(("first passage", "second passage", "third passage"), replies)))
-    assert str(MapRerankSynthesizer(llm).synthesize("q?", NODES)) == answer
-    assert str(await MapRerankSynthesizer(llm).asynthesize("q?", NODES)) == answer
-    streamed = MapRerankSynthesizer(llm, streaming=True).synthesize("q?", NODES)
-    assert list(streamed.response_gen) == [answer]
 
 
 def test_the_example_app_runs(tmp_path):

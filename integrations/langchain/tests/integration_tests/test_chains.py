@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 from kvrag import KVEngine
-from kvrag.split import read_text, split_passages
+from kvrag.app.split import read_text, split_passages
 from langchain_core.documents import Document
 from langchain_kvrag.chains import best_answer, rag_chain
 from langchain_kvrag.chat_models import ChatKVRag
@@ -100,9 +100,9 @@ def test_map_rerank_answers_every_passage_and_keeps_the_best(llms, institutions)
 
 
 def test_core_chains_answer_as_the_langchain_chains_do(engine, llms, institutions):
-    """kvrag.chains (what `kvrag bench accuracy` runs) sends the same messages as these chains on
+    """kvrag.eval.chains (what `kvrag bench accuracy` runs) sends the same messages as these chains on
     ChatKVRag(mode="full"): same notes, replies and answers."""
-    from kvrag import chains
+    from kvrag.eval import chains
 
     passages = [d.page_content for d in institutions]
     ours = chains.map_reduce(engine, KEEPER, passages, max_new_tokens=40, note_tokens=40)

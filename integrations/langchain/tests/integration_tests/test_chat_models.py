@@ -13,6 +13,8 @@ from langchain_tests.integration_tests import ChatModelIntegrationTests
 
 from langchain_kvrag.chat_models import ChatKVRag
 
+pytestmark = pytest.mark.e2e  # the real default model
+
 PASSAGES = [  # not the core tests' passages: one session shares the passage list, and a longer known
     # passage (the core's CLI test indexes two of its passages as one) would rightly win the match
     "The Varnholm lighthouse was built in 1873 by the engineer Ilsa Brandt. It stands on the cliff above Varn.",

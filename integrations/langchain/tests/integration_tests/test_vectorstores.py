@@ -16,6 +16,8 @@ from langchain_tests.integration_tests import VectorStoreIntegrationTests
 
 from langchain_kvrag.vectorstores import KVRagVectorStore
 
+pytestmark = pytest.mark.e2e  # the real default model
+
 
 @pytest.fixture(scope="session")
 def engine(kvrag_home) -> KVEngine:

@@ -1,15 +1,37 @@
-"""ChatKVRag: LangChain's standard unit suite, and how messages become one prompt with passage spans."""
+"""ChatKVRag on a tiny random-weight model: LangChain's standard unit suite, how messages become one
+prompt with passage spans, and the call options. (The real default model: integration_tests.)"""
+
+import functools
 
 import pytest
-from kvrag import ContextOverflowError
+import torch
+from kvrag import ContextOverflowError, KVEngine
 from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, ToolMessage
 from langchain_core.messages.content import create_plaintext_block
 from langchain_tests.unit_tests import ChatModelUnitTests
+
+from tiny import tiny_configs, tiny_model, tiny_tokenizer
 
 from langchain_kvrag.chat_models import ChatKVRag
 
 P1 = "The Varnholm lighthouse was built in 1873 by the engineer Ilsa Brandt on the northern cliff."
 P2 = "Orrin Vale painted The Tin Harvest, a mural on the old grain store of Selby Cross, in 1921."
+
+
+@functools.cache
+def tiny_engine() -> KVEngine:
+    """One engine over a tiny random llama for the module (the standard suite's properties need it
+    outside fixtures); its KV goes under the session's KVRAG_HOME."""
+    from kvrag.paths import kvrag_home
+
+    tokenizer = tiny_tokenizer()
+    model = tiny_model(tiny_configs(len(tokenizer))["llama"])
+    return KVEngine(model, tokenizer, home=kvrag_home() / "tiny-langchain", storage_dtype=torch.float32)
+
+
+@pytest.fixture
+def engine() -> KVEngine:
+    return tiny_engine()
 
 
 class TestChatKVRagUnit(ChatModelUnitTests):
@@ -19,7 +41,7 @@ class TestChatKVRagUnit(ChatModelUnitTests):
 
     @property
     def chat_model_params(self) -> dict:
-        return {}  # the embedded default model, loaded once per session
+        return {"engine": tiny_engine()}
 
     @property
     def standard_chat_model_params(self) -> dict:
@@ -28,9 +50,9 @@ class TestChatKVRagUnit(ChatModelUnitTests):
         return params
 
 
-@pytest.fixture(scope="module")
-def llm():
-    return ChatKVRag(max_tokens=8)
+@pytest.fixture
+def llm(engine):
+    return ChatKVRag(engine=engine, max_tokens=8)
 
 
 def question(text="Who built the lighthouse?"):
@@ -105,8 +127,8 @@ def test_tokens_are_counted_with_the_engines_tokenizer(llm):
     assert llm.get_num_tokens_from_messages(messages) == llm.invoke(messages).usage_metadata["input_tokens"]
 
 
-def test_timeout_ends_generation_early():
-    slow = ChatKVRag(max_tokens=200, timeout=1e-9)
+def test_timeout_ends_generation_early(engine):
+    slow = ChatKVRag(engine=engine, max_tokens=200, timeout=1e-9)
     result = slow.invoke("Tell me a long story.")
     assert result.response_metadata["finish_reason"] == "timeout"
     assert result.usage_metadata["output_tokens"] == 1

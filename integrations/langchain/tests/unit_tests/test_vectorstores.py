@@ -1,13 +1,12 @@
 """KVRagVectorStore's contract with a spy engine: index every add (whole batch checked first), delegate the rest.
 
-The spy runs the core's own passage check (`kvrag.engine.check_text`) and a small context
+The spy runs the core's own passage check (`kvrag.check_text`) and a small context
 limit, so "a bad text adds nothing" is tested without a model. The real engine is in
 tests/integration_tests.
 """
 
 import pytest
-from kvrag import ContextOverflowError, EmptyInputError, InputEncodingError, KVEngine
-from kvrag.engine import check_text
+from kvrag import ContextOverflowError, EmptyInputError, InputEncodingError, KVEngine, check_text
 from langchain_chroma import Chroma
 from langchain_core.documents import Document
 from langchain_core.embeddings import DeterministicFakeEmbedding

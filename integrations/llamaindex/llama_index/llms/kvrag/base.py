@@ -18,8 +18,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from kvrag import EmptyInputError, InputEncodingError, KVEngine, Mode, Passage
-from kvrag.engine import GenerationResult
+from kvrag import EmptyInputError, GenerationResult, InputEncodingError, KVEngine, Mode, Passage
 from llama_index.core.base.llms.types import (
     CachePoint,
     ChatMessage,

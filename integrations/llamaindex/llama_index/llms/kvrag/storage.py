@@ -6,10 +6,7 @@ downloaded; LlamaIndex's default embedding (OpenAI) needs a network and a key.
 
 from pathlib import Path
 
-import chromadb
-from chromadb.config import Settings
-from kvrag.model import kvrag_home
-from kvrag.retrieval import embedding_model_path
+from kvrag.app.retrieval import chroma_collection, chroma_path, embedding_model_path
 from llama_index.embeddings.huggingface import HuggingFaceEmbedding
 from llama_index.vector_stores.chroma import ChromaVectorStore
 
@@ -22,10 +19,9 @@ def default_embed_model(device: str = "cpu") -> HuggingFaceEmbedding:
 def default_vector_store(path: str | Path | None = None, collection_name: str = "kvrag") -> ChromaVectorStore:
     """A Chroma collection persisted under `path` (default: KVRAG_HOME/llamaindex/chroma).
 
-    The collection gets no embedding function of its own (Chroma's default would download a
-    model): the index computes every vector with its `embed_model`.
+    Opened by `kvrag.app.retrieval.chroma_collection`, like the CLI's and LangChain's: cosine space,
+    and no embedding function of its own (Chroma's default would download a model): the index
+    computes every vector with its `embed_model`.
     """
-    path = Path(path) if path is not None else kvrag_home() / "llamaindex" / "chroma"
-    client = chromadb.PersistentClient(path=str(path), settings=Settings(anonymized_telemetry=False))
-    collection = client.get_or_create_collection(collection_name, embedding_function=None, metadata={"hnsw:space": "cosine"})
-    return ChromaVectorStore(chroma_collection=collection)
+    path = Path(path) if path is not None else chroma_path("llamaindex")
+    return ChromaVectorStore(chroma_collection=chroma_collection(path, collection_name))

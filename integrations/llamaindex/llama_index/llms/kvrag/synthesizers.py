@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
 from kvrag import EmptyInputError
-from kvrag.rerank import MAP_RERANK_SYSTEM, best_answer, parse_scored_answer
+from kvrag.eval.chains import MAP_RERANK_SYSTEM, map_message, rerank
 from llama_index.core.base.llms.types import ChatMessage, ChatResponse, DocumentBlock, MessageRole, TextBlock
 from llama_index.core.base.response.schema import RESPONSE_TYPE, AsyncStreamingResponse, Response, StreamingResponse
 from llama_index.core.callbacks import CallbackManager
@@ -176,10 +176,11 @@ async def _adeltas(stream: AsyncIterator[ChatResponse], metadata: dict) -> Async
 class MapRerankSynthesizer(BaseSynthesizer):
     """One call per node answers the question and rates the answer 0-100; the best-rated answer wins.
 
-    LlamaIndex has no map-rerank mode; this one works with any LLM and parses scores leniently
-    (`kvrag.rerank.parse_scored_answer`): an answer without a score ranks below every scored one,
-    ties go to the earlier node, i.e. the retriever's better one. The async path runs the calls
-    concurrently. A streaming response yields the winning answer in one piece.
+    LlamaIndex has no map-rerank mode; this one works with any LLM and is `kvrag.eval.chains`'
+    map-rerank (what `kvrag bench accuracy` runs): the same messages, and scores parsed leniently by
+    the same `rerank`: an answer without a score ranks below every scored one, ties go to the earlier
+    node, i.e. the retriever's better one. The async path runs the calls concurrently. A streaming
+    response yields the winning answer in one piece.
     """
 
     def __init__(
@@ -203,11 +204,12 @@ class MapRerankSynthesizer(BaseSynthesizer):
         """The scoring instruction, then the passage, a blank line and the question as the user message."""
         return [
             ChatMessage(role=MessageRole.SYSTEM, content=self._system_prompt),
-            ChatMessage(role=MessageRole.USER, content=f"{passage}\n\n{query_str}"),
+            ChatMessage(role=MessageRole.USER, content=map_message(passage, query_str)),
         ]
 
     def _best(self, replies: Sequence[ChatResponse]) -> str:
-        return best_answer([parse_scored_answer(reply.message.content or "") for reply in replies]).answer
+        best, _ = rerank([reply.message.content or "" for reply in replies])
+        return best.answer
 
     def get_response(self, query_str: str, text_chunks: Sequence[str], **response_kwargs: Any) -> RESPONSE_TEXT_TYPE:
         answer = self._best([self._llm.chat(self.messages(query_str, c), **response_kwargs) for c in text_chunks])

@@ -2,7 +2,7 @@
 
 from tiny import tiny_configs
 
-from kvrag.bench import FILLER, HEADER, flops_blend, flops_to_first_token, format_row, layer_flops, make_passages, ttft_table
+from kvrag.eval.ttft import FILLER, HEADER, flops_blend, flops_to_first_token, format_row, layer_flops, make_passages, ttft_table
 
 
 def test_flops_formula_by_hand():

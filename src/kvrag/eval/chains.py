@@ -1,18 +1,55 @@
-"""Map-rerank's reply format: an answer and a 0-100 score per passage; the best-scored answer wins.
+"""MapReduce and MapRerank: the classic baselines CacheBlend compares against, one implementation.
 
-Shared by the LangChain and LlamaIndex map-rerank comparisons, so both parse replies the same way.
+Both read every passage in a call of its own. This module holds their prompts, the note filter of
+map-reduce and the reply parsing and selection of map-rerank; `map_reduce` / `map_rerank` run them on
+kvrag's engine in full mode (what `kvrag bench accuracy` compares), and langchain_kvrag's chains and
+LlamaIndex's `MapRerankSynthesizer` build the same messages from the same constants and pick answers
+with the same functions, so on `ChatKVRag(mode="full")` they give the same answers.
+
+Time to first token: MapReduce's first answer token comes after every note is written; MapRerank
+knows its answer only when every passage's reply is in, so its TTFT is its total time.
 """
 
 import re
+import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from kvrag import GenerationResult
+
+MAP_NOTES_SYSTEM = (
+    "You take notes for a question. Copy the facts from the passage in the user's message that help "
+    "answer the question, in one or two short sentences. If nothing in it helps, write: nothing relevant."
+)
+"""The instruction of one passage's call in MapReduce (the user message: `MAP_USER`)."""
 
 MAP_RERANK_SYSTEM = (
     "Answer the question using only the passage in the user's message, in one sentence. "
     "Then, on a new line, write 'Score:' and a number from 0 to 100 saying how well the passage "
     "answers the question (0: not at all, 100: completely)."
 )
-"""The instruction for one passage's call; the user message holds the passage, a blank line, the question."""
+"""The instruction of one passage's call in MapRerank (the user message: `MAP_USER`)."""
+
+MAP_USER = "{passage}\n\n{question}"
+"""The user message of one passage's call, in both chains: the passage, a blank line, the question."""
+
+REDUCE_USER = "{notes}\n\n{question}"
+"""The user message of MapReduce's last call (after the engine's own system instruction)."""
+
+_NOTHING = re.compile(r"^\W*(?:nothing relevant|none|n/a)\W*$", re.IGNORECASE)
+
+
+def map_message(passage: str, question: str) -> str:
+    return MAP_USER.format(passage=passage, question=question)
+
+
+def join_notes(notes: Sequence[str]) -> str:
+    """The map step's notes as the reduce step reads them: empty and "nothing relevant" notes dropped,
+    the rest joined with blank lines."""
+    return "\n\n".join(n.strip() for n in notes if n.strip() and not _NOTHING.match(n))
+
+
+# ---- map-rerank's replies: an answer and a 0-100 score, however loosely the model follows the format
 
 
 @dataclass(frozen=True)
@@ -116,3 +153,46 @@ def best_answer(candidates: Sequence[ScoredAnswer]) -> ScoredAnswer:
         key=lambda i: (bool(candidates[i].answer), -1.0 if candidates[i].score is None else candidates[i].score, -i),
     )
     return candidates[best]
+
+
+def rerank(replies: Sequence[str]) -> tuple[ScoredAnswer, list[ScoredAnswer]]:
+    """The winning answer of MapRerank's replies (one per passage, in retrieval order) and every parsed one."""
+    candidates = [parse_scored_answer(reply) for reply in replies]
+    return best_answer(candidates), candidates
+
+
+@dataclass
+class ChainResult:
+    """A chain's answer, its timings (seconds) and every model call it made, in order."""
+
+    text: str
+    ttft: float
+    total_time: float
+    calls: list[GenerationResult] = field(default_factory=list)
+    candidates: list[ScoredAnswer] = field(default_factory=list)
+
+
+def _call(engine, system: str, user: str, max_new_tokens: int) -> GenerationResult:
+    """One chat call in full mode: a system message, then a user message."""
+    text, spans = engine.layout.render_chat([("system", [system]), ("user", [user])])
+    return engine.generate_text(text, spans, mode="full", max_new_tokens=max_new_tokens)
+
+
+def map_reduce(engine, question: str, passages: Sequence[str], *, max_new_tokens: int = 48, note_tokens: int = 48) -> ChainResult:
+    """Notes on the question from every passage, then an answer from the notes."""
+    start = time.perf_counter()
+    calls = [_call(engine, MAP_NOTES_SYSTEM, map_message(p, question), note_tokens) for p in passages]
+    reduce_at = time.perf_counter() - start
+    notes = join_notes([c.text for c in calls])
+    final = _call(engine, engine.layout.format.system, REDUCE_USER.format(notes=notes, question=question), max_new_tokens)
+    calls.append(final)
+    return ChainResult(final.text.strip(), reduce_at + final.ttft, time.perf_counter() - start, calls)
+
+
+def map_rerank(engine, question: str, passages: Sequence[str], *, max_new_tokens: int = 48) -> ChainResult:
+    """An answer and a 0-100 score from every passage; the best-scored answer wins."""
+    start = time.perf_counter()
+    calls = [_call(engine, MAP_RERANK_SYSTEM, map_message(p, question), max_new_tokens) for p in passages]
+    best, candidates = rerank([c.text for c in calls])
+    total = time.perf_counter() - start
+    return ChainResult(best.answer, total, total, calls, candidates)

@@ -12,7 +12,7 @@ computed token).
 
 import statistics
 
-from .blend import BlendConfig
+from kvrag import BlendConfig
 
 BLEND_RATIOS = (0.10, 0.15, 0.30)
 

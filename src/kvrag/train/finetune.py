@@ -18,14 +18,17 @@ import json
 import random
 import shutil
 import time
+import warnings
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
+from transformers import get_linear_schedule_with_warmup
 
-from .prompt import Prompt
+from kvrag import attention
+from kvrag.prompt import Prompt
 
 IGNORE = -100  # label of tokens the loss skips
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -37,13 +40,9 @@ def block_lengths(prompt: Prompt, answer_tokens: int = 0) -> list[int]:
     return [n for n in (len(prompt.prefix), *map(len, prompt.blocks)) if n] + [len(prompt.question) + answer_tokens]
 
 
-def attention_mask(lengths: Sequence[int], dtype: torch.dtype = torch.float32, device=None) -> torch.Tensor:
-    """Additive [1, 1, N, N] mask: each block causal within itself, the last block causal over everything."""
-    n = sum(lengths)
-    block = torch.repeat_interleave(torch.arange(len(lengths), device=device), torch.tensor(list(lengths), device=device))
-    rows, cols = block[:, None], block[None, :]
-    allowed = ((rows == cols) | (rows == len(lengths) - 1)) & torch.ones(n, n, dtype=torch.bool, device=device).tril()
-    return torch.zeros(n, n, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)[None, None]
+def block_index(lengths: Sequence[int], device=None) -> torch.Tensor:
+    """Each token's block number, for `kvrag.attention.mask`: the blocks are `lengths` long, in order."""
+    return torch.repeat_interleave(torch.arange(len(lengths), device=device), torch.tensor(list(lengths), device=device))
 
 
 @dataclass
@@ -55,7 +54,9 @@ class TrainingExample:
     lengths: list[int]  # one block of everything: plain causal attention
 
     def mask(self, dtype=torch.float32, device=None) -> torch.Tensor:
-        return attention_mask(self.lengths, dtype, device)
+        """Additive [1, 1, N, N]: each block causal within itself, the last block causal over everything."""
+        positions = torch.arange(len(self.ids), device=device)
+        return attention.mask(positions, len(self.ids), dtype, blocks=block_index(self.lengths, device))
 
 
 def encode(engine, question: str, passages: Sequence[str], answer: str, *, full_attention: bool = False) -> TrainingExample:
@@ -96,7 +97,7 @@ def with_unanswerable_share(qa_examples, share: float) -> list:
 
 
 def training_examples(engine, qa_examples, full_attention_share: float = 0.0, seed: int = 0) -> list[TrainingExample]:
-    """Generated questions (kvrag.data) as training examples whose answers are their short sentences;
+    """Generated questions (kvrag.eval.data) as training examples whose answers are their short sentences;
     a share of them, drawn by `seed`, with plain causal attention."""
     draw = random.Random(seed)
     return [encode(engine, q.question, q.passages, q.target, full_attention=draw.random() < full_attention_share)
@@ -136,7 +137,7 @@ def _divergence_from_full_attention(model, ids, positions, logits) -> torch.Tens
     training = model.training
     model.eval()
     with torch.no_grad():
-        causal = attention_mask([ids.shape[1]], model.dtype, model.device)
+        causal = attention.mask(positions[0], ids.shape[1], model.dtype)
         target = model(input_ids=ids, position_ids=positions, attention_mask=causal,
                        logits_to_keep=len(logits) + 1).logits[0, :-1]
     model.train(training)
@@ -150,6 +151,7 @@ class TrainConfig:
 
     steps: int = 170
     learning_rate: float = 5e-4
+    warmup_steps: int = 20  # then a linear decay to zero at `steps` (transformers' linear schedule)
     accumulate: int = 4  # examples per optimizer step
     lora_r: int = 8
     lora_alpha: int = 16
@@ -173,7 +175,9 @@ def _trainable(model, config: TrainConfig):
 
     lora = LoraConfig(r=config.lora_r, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
                       target_modules=list(LORA_TARGETS), task_type="CAUSAL_LM")
-    model = get_peft_model(model, lora)
+    with warnings.catch_warnings():  # peft (0.21) reads transformers' deprecated `is_gradient_checkpointing`
+        warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
+        model = get_peft_model(model, lora)
     if config.init_adapter:
         _load_lora_weights(model, Path(config.init_adapter), config)
     return model
@@ -217,7 +221,7 @@ def train(engine, examples: Sequence[TrainingExample], out: str | Path, config: 
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=config.learning_rate, weight_decay=0.0)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 20) * max(0.0, 1 - step / config.steps))
+    schedule = get_linear_schedule_with_warmup(optimizer, config.warmup_steps, config.steps)
     state = {"step": 0, "losses": [], "config": asdict(config), "about": dict(about or {})}
     if config.init_adapter:  # how the starting point was made, so that the result can be reproduced
         state["about"]["init_adapter_training"] = _training_record(Path(config.init_adapter))

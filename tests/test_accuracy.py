@@ -1,16 +1,18 @@
-"""The accuracy benchmark: records, resuming, summary table, plot, FLOPs, the core MapReduce/MapRerank,
-and a smoke run of `kvrag bench accuracy` on the real default model."""
+"""The accuracy benchmark: records, resuming, summary table, plot, FLOPs, and a smoke run of
+`kvrag bench accuracy` on the real default model. (MapReduce / MapRerank: test_chains.py; the
+command's argument checks: test_cli.py.)"""
 
 import json
 from dataclasses import replace
 
 import pytest
-from kvrag import chains, data
-from kvrag.bench import flops_to_first_token, layer_flops
-from kvrag.cli import main
-from kvrag.errors import KVRagError
-from kvrag.evaluate import (METHODS, RUNNERS, Record, against_full, evaluate, flops_generation, format_against_full, format_table,
-                            plot, summarize)
+
+from kvrag import KVRagError
+from kvrag.app.cli import main
+from kvrag.eval import data
+from kvrag.eval.accuracy import (METHODS, RUNNERS, Record, against_full, evaluate, flops_generation, format_against_full,
+                                 format_table, plot, summarize)
+from kvrag.eval.ttft import flops_to_first_token, layer_flops
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -117,32 +119,6 @@ def test_flops_of_a_generation_add_one_decode_step_per_fed_back_token(engine):
     assert flops_generation(config, 50, 1) == flops_to_first_token(config, 50, 0)
     step = config.num_hidden_layers * layer_flops(config, 1, 51)  # the 1st generated token fed back: 50 keys + its own
     assert flops_generation(config, 50, 2) == pytest.approx(flops_to_first_token(config, 50, 0) + step)
-
-
-def test_map_reduce_and_map_rerank_call_once_per_passage(engine, examples):
-    e = examples[0]
-    mr = chains.map_reduce(engine, e.question, e.passages, max_new_tokens=3, note_tokens=2)
-    assert len(mr.calls) == len(e.passages) + 1 and all(c.mode == "full" for c in mr.calls)
-    assert all(c.generated_tokens <= 2 for c in mr.calls[:-1])
-    assert sum(c.total_time for c in mr.calls[:-1]) < mr.ttft < mr.total_time
-    rr = chains.map_rerank(engine, e.question, e.passages, max_new_tokens=3)
-    assert len(rr.calls) == len(rr.candidates) == len(e.passages) and rr.ttft == rr.total_time
-
-
-def test_join_notes_drops_empty_and_nothing_relevant_notes():
-    notes = ["Ravel was born in 1901.", "nothing relevant", " ", "Nothing relevant.", "N/A", "It is in Osk. "]
-    assert chains.join_notes(notes) == "Ravel was born in 1901.\n\nIt is in Osk."
-
-
-@pytest.mark.parametrize(
-    "args, message",
-    [(["--methods", "full,stuffing"], "unknown method"), (["--passages", "40"], "between 5 and 30"),
-     (["--limit", "0"], "n must be")],
-)
-def test_bench_accuracy_rejects_bad_arguments_before_loading_anything(args, message, capsys, monkeypatch):
-    monkeypatch.setattr("kvrag.cli._engine", lambda args: pytest.fail("loaded a model"))
-    assert main(["bench", "accuracy", *args]) == 2
-    assert message in capsys.readouterr().err
 
 
 @pytest.mark.e2e

@@ -4,7 +4,7 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 
-from .errors import EmptyInputError, InputEncodingError
+from kvrag import EmptyInputError, InputEncodingError
 
 TEXT_SUFFIXES = (".txt", ".md", ".markdown", ".rst")
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+")

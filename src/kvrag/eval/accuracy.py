@@ -1,6 +1,6 @@
 """Accuracy against time to first token: every method answers the same questions from the same passages.
 
-Block-Attention's Table 1 set-up on the generated multi-document QA set (see data.py): per method,
+Block-Attention's Table 1 set-up on the generated multi-document QA set (kvrag.eval.data): per method,
 accuracy per question type and on average, token F1, median TTFT and total time, and FLOPs to
 first token. All passages are indexed before timing starts, as an application indexes its
 documents ahead of the questions. Methods run in a rotating order per question, so a noisy
@@ -17,12 +17,12 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from kvrag import BlendConfig, KVRagError
+
 from . import chains
-from .bench import flops_blend, flops_to_first_token, layer_flops
-from .blend import BlendConfig
 from .data import QUESTION_TYPES, QAExample
-from .errors import KVRagError
 from .metrics import answer_in_output, token_f1
+from .ttft import flops_blend, flops_to_first_token, layer_flops
 
 METHODS = ("full", "map_reduce", "map_rerank", "block", "blend", "composite")
 """What `evaluate` runs by default; `EXTRA_METHODS` can be asked for by name."""
@@ -255,7 +255,7 @@ def plot(records: Sequence[Record], path: str | Path) -> Path:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as exc:
-        raise KVRagError("plots need matplotlib: pip install 'kvrag[bench]'") from exc
+        raise KVRagError("plots need matplotlib: pip install matplotlib (or pip install 'kvrag[bench]')") from exc
     rows = summarize(records)
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.8))
     for k, row in enumerate(rows):

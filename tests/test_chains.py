@@ -1,7 +1,59 @@
-"""Map-rerank replies: the answer and the 0-100 score, however loosely a model follows the format."""
+"""The MapReduce / MapRerank baselines: one call per passage on a tiny model, the note filter, and
+map-rerank's replies (the answer and the 0-100 score, however loosely a model follows the format)."""
+
+from dataclasses import replace
 
 import pytest
-from kvrag.rerank import ScoredAnswer, best_answer, parse_scored_answer
+
+from kvrag.eval import chains, data
+from kvrag.eval.chains import ScoredAnswer, best_answer, parse_scored_answer, rerank
+
+
+@pytest.fixture
+def engine(make_engine):
+    return make_engine("llama")
+
+
+@pytest.fixture(scope="module")
+def examples():
+    """Generated questions, their passages cut to fit the tiny models' context window."""
+    return [replace(e, passages=tuple(p[:150] for p in e.passages)) for e in data.generate("dev", 4, passages=5)]
+
+
+def test_map_reduce_and_map_rerank_call_once_per_passage(engine, examples):
+    e = examples[0]
+    mr = chains.map_reduce(engine, e.question, e.passages, max_new_tokens=3, note_tokens=2)
+    assert len(mr.calls) == len(e.passages) + 1 and all(c.mode == "full" for c in mr.calls)
+    assert all(c.generated_tokens <= 2 for c in mr.calls[:-1])
+    assert sum(c.total_time for c in mr.calls[:-1]) < mr.ttft < mr.total_time
+    rr = chains.map_rerank(engine, e.question, e.passages, max_new_tokens=3)
+    assert len(rr.calls) == len(rr.candidates) == len(e.passages) and rr.ttft == rr.total_time
+
+
+def test_each_call_is_the_instruction_then_the_passage_and_the_question(engine, examples, monkeypatch):
+    """What the integrations' chains send too: they build their messages from the same constants."""
+    e = examples[0]
+    sent = []
+    render = engine.layout.render_chat
+    monkeypatch.setattr(engine.layout, "render_chat", lambda turns: sent.append(turns) or render(turns))
+    chains.map_rerank(engine, e.question, e.passages[:2], max_new_tokens=1)
+    assert sent == [[("system", [chains.MAP_RERANK_SYSTEM]), ("user", [f"{p}\n\n{e.question}"])] for p in e.passages[:2]]
+    sent.clear()
+    result = chains.map_reduce(engine, e.question, e.passages[:2], max_new_tokens=1, note_tokens=1)
+    notes = chains.join_notes([c.text for c in result.calls[:-1]])
+    assert sent[:2] == [[("system", [chains.MAP_NOTES_SYSTEM]), ("user", [f"{p}\n\n{e.question}"])] for p in e.passages[:2]]
+    assert sent[2] == [("system", [engine.layout.format.system]), ("user", [f"{notes}\n\n{e.question}"])]
+
+
+def test_join_notes_drops_empty_and_nothing_relevant_notes():
+    notes = ["Ravel was born in 1901.", "nothing relevant", " ", "Nothing relevant.", "N/A", "It is in Osk. "]
+    assert chains.join_notes(notes) == "Ravel was born in 1901.\n\nIt is in Osk."
+
+
+def test_rerank_parses_every_reply_and_picks_the_best():
+    best, candidates = rerank(["1742.\nScore: 20", "Kellan stew.\nScore: 95", "no score"])
+    assert [c.score for c in candidates] == [20.0, 95.0, None]
+    assert best is candidates[1] and best.answer == "Kellan stew."
 
 
 def test_best_answer_ranks_an_empty_answer_below_any_answer():

@@ -1,21 +1,32 @@
-"""Command line: kvrag index | ask | demo | finetune | bench ttft | bench accuracy."""
+"""Command line: kvrag index | ask | demo | finetune | bench ttft | bench accuracy | kernels build | kernels status.
+
+The research harness (kvrag.eval, kvrag.train) and matplotlib are imported inside the commands that
+use them, so `kvrag --help` and `kvrag ask` never load them. The defaults shown for the harness's
+options are therefore written here; tests/test_cli.py checks them against the harness's own.
+"""
 
 import argparse
 import hashlib
+import importlib.util
 import json
+import os
 import sys
 from importlib import resources
 from pathlib import Path
 
-from . import MODES
-from .engine import ADAPTER_SCOPES
-from .evaluate import METHODS, RUNNERS
-from .finetune import TrainConfig
-from .errors import KVRagError
+from kvrag import MODES, KVRagError
+from kvrag.engine import ADAPTER_SCOPES, BLOCK_CONTEXTS
+
+BENCH_METHODS = ("full", "map_reduce", "map_rerank", "block", "blend", "composite")
+"""kvrag.eval.accuracy.METHODS: what `bench accuracy` runs by default."""
+BENCH_EXTRA_METHODS = ("prefix", "blend_values")
+"""kvrag.eval.accuracy.EXTRA_METHODS: what it runs when asked by name."""
+TRAIN_DEFAULTS = {"steps": 170, "learning_rate": 5e-4, "accumulate": 4, "lora_r": 8, "save_every": 25, "distill": 0.0}
+"""kvrag.train.finetune.TrainConfig's defaults for the settings `finetune` exposes."""
 
 
 def _engine(args):
-    from .engine import KVEngine
+    from kvrag import KVEngine
 
     adapter = None if args.adapter == "none" else args.adapter
     return KVEngine.from_pretrained(args.model, home=args.home, block_context=args.block_context, adapter=adapter,
@@ -23,7 +34,7 @@ def _engine(args):
 
 
 def _home(args) -> Path:
-    from .model import kvrag_home
+    from kvrag.paths import kvrag_home
 
     return Path(args.home) if args.home else kvrag_home()
 
@@ -85,6 +96,8 @@ def cmd_ask(args):
 
 
 def cmd_demo(args):
+    from kvrag.eval.metrics import answer_in_output
+
     from .retrieval import PassageIndex
 
     sample = Path(str(resources.files("kvrag") / "sample"))
@@ -108,7 +121,7 @@ def cmd_demo(args):
         results = {}
         for mode in ("full", "block"):
             results[mode] = r = engine.generate(question, retrieved, mode=mode, max_new_tokens=args.max_new_tokens)
-            correct = any(a.lower() in r.text.lower() for a in item["answers"])
+            correct = answer_in_output(r.text, item["answers"])
             right[mode] += correct
             print(f"  {mode:<{width - 2}} {r.ttft * 1e3:>6.0f}ms  {r.text.strip()}  {'[ok]' if correct else '[?]'}")
         speedups.append(results["full"].ttft / results["block"].ttft)
@@ -122,8 +135,8 @@ def cmd_demo(args):
 
 
 def cmd_bench(args):
-    from . import kernels
-    from .bench import HEADER, QUESTION, ttft_table
+    from kvrag import kernels
+    from kvrag.eval.ttft import HEADER, QUESTION, ttft_table
 
     engine = _engine(args)
     lengths = [int(x) for x in args.lengths.split(",")]
@@ -133,9 +146,17 @@ def cmd_bench(args):
     ttft_table(engine, lengths, args.runs)
 
 
+def _check_plotting(args) -> None:
+    """A plot needs matplotlib: say so before any question is answered, not after the run."""
+    if args.plot != "" and importlib.util.find_spec("matplotlib") is None:
+        raise KVRagError("the accuracy plot needs matplotlib: pip install matplotlib (or pip install 'kvrag[bench]'), "
+                         "or pass --plot '' to skip the plot")
+
+
 def cmd_bench_accuracy(args):
-    from . import data
-    from .evaluate import check_methods, evaluate, format_against_full, format_table, plot, summarize
+    _check_plotting(args)
+    from kvrag.eval import data
+    from kvrag.eval.accuracy import check_methods, evaluate, format_against_full, format_table, plot, summarize
 
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     check_methods(methods)
@@ -159,8 +180,8 @@ def cmd_bench_accuracy(args):
 def cmd_finetune(args):
     import torch
 
-    from . import data
-    from .finetune import train, training_examples, with_unanswerable_share
+    from kvrag.eval import data
+    from kvrag.train.finetune import TrainConfig, train, training_examples, with_unanswerable_share
 
     config = TrainConfig(steps=args.steps, learning_rate=args.lr, accumulate=args.accumulate, lora_r=args.lora_r,
                          lora_alpha=2 * args.lora_r, full=args.full, full_attention_share=args.full_attention_share,
@@ -183,56 +204,113 @@ def cmd_finetune(args):
     print(f"saved {final}; use it with KVEngine.from_pretrained(..., adapter={str(final)!r})")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvrag", description=__doc__)
-    parser.add_argument("--model", help="local model directory, GGUF file or cached hub id (default: SmolLM2-135M-Instruct)")
-    parser.add_argument("--home", help="cache directory (default: $KVRAG_HOME or ~/.cache/kvrag)")
-    parser.add_argument("--block-context", choices=("none", "prefix"), default="none")
-    parser.add_argument("--adapter", default="auto",
-                        help="LoRA adapter directory to merge into the model (from `kvrag finetune`); 'auto' (default): "
-                             "the block-tuned adapter shipped for the default model; 'none': the published weights")
-    parser.add_argument("--adapter-scope", choices=ADAPTER_SCOPES, default="block",
-                        help="modes the adapter is used in: 'block' (default): block, composite and blend, with the "
-                             "published weights in full and prefix; 'all': every mode")
-    sub = parser.add_subparsers(dest="command", required=True)
+def _kernels(args):
+    """kvrag.kernels, building under --home when one is given (the kernels live in the cache directory)."""
+    if args.home:
+        os.environ["KVRAG_HOME"] = args.home
+    from kvrag import kernels
 
-    p = sub.add_parser("index", help="split text/markdown files into passages and precompute their KV")
-    p.add_argument("paths", nargs="+")
+    return kernels
+
+
+def cmd_kernels_build(args):
+    kernels = _kernels(args)
+    print(f"kernels: {kernels.build(force=args.force)}")
+    if kernels.library() is not None:
+        print(f"library: {kernels.build_path()}")
+
+
+def cmd_kernels_status(args):
+    print(f"kernels: {_kernels(args).status()}")
+
+
+class _Help(argparse.ArgumentDefaultsHelpFormatter):
+    """Every option's help ends with its default, unless the help already says it in words."""
+
+    def _get_help_string(self, action):
+        if action.default is None or "(default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
+_MODEL_OPTIONS = {
+    "--model": dict(help="local model directory, GGUF file or cached hub id (default: SmolLM2-135M-Instruct)"),
+    "--home": dict(help="cache directory (default: $KVRAG_HOME or ~/.cache/kvrag)"),
+    "--block-context": dict(choices=BLOCK_CONTEXTS, default="none",
+                            help="what each passage is encoded after: 'none', nothing (exact re-encoding); 'prefix', "
+                                 "the shared system prompt, so every block sees the same attention sink"),
+    "--adapter": dict(default="auto", help="LoRA adapter directory to merge into the model (from `kvrag finetune`); "
+                                           "'auto': the block-tuned adapter shipped for the default model; 'none': "
+                                           "the published weights"),
+    "--adapter-scope": dict(choices=ADAPTER_SCOPES, default="block",
+                            help="modes the adapter is used in: 'block': block, composite and blend, with the "
+                                 "published weights in full and prefix; 'all': every mode"),
+}
+
+
+def _model_options(parser: argparse.ArgumentParser, after_command: bool = False) -> None:
+    """The options of the model every command but `kernels` loads. They are accepted before the command
+    and after it; after it they take no default, so that they never undo one given before."""
+    for flag, options in _MODEL_OPTIONS.items():
+        if after_command:
+            default = options.get("default")
+            help = options["help"] if default is None else f"{options['help']} (default: {default})"
+            options = {**options, "default": argparse.SUPPRESS, "help": help}
+        parser.add_argument(flag, **options)
+
+
+def _command(sub, name: str, help: str, model: bool = True) -> argparse.ArgumentParser:
+    parser = sub.add_parser(name, help=help, description=help, formatter_class=_Help)
+    if model:
+        _model_options(parser, after_command=True)
+    return parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvrag", description=__doc__.split("\n\n")[0], formatter_class=_Help)
+    _model_options(parser)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = _command(sub, "index", "split text/markdown files into passages and precompute their KV")
+    p.add_argument("paths", nargs="+", help="text files, or directories searched for .txt/.md/.markdown/.rst files")
     p.add_argument("--max-tokens", type=int, default=200, help="longest passage in tokens")
     p.set_defaults(func=cmd_index)
 
-    p = sub.add_parser("ask", help="answer a question from the indexed passages")
-    p.add_argument("question")
-    p.add_argument("--mode", choices=MODES, default="block")
-    p.add_argument("--top-k", type=int, default=4)
-    p.add_argument("--max-new-tokens", type=int, default=128)
+    p = _command(sub, "ask", "answer a question from the indexed passages")
+    p.add_argument("question", help="the question to answer")
+    p.add_argument("--mode", choices=MODES, default="block",
+                   help="how passages are used: block reuses their cached KV, full prefills everything, blend "
+                        "reuses it and recomputes the most deviating tokens, prefix reuses only an exact "
+                        "leading run, composite keeps encode positions")
+    p.add_argument("--top-k", type=int, default=4, help="passages retrieved for the question")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="longest answer in tokens")
     p.set_defaults(func=cmd_ask)
 
-    p = sub.add_parser("demo", help="index the bundled sample corpus and compare full vs block mode")
-    p.add_argument("--top-k", type=int, default=3)
-    p.add_argument("--max-new-tokens", type=int, default=48)
-    p.add_argument("--max-tokens", type=int, default=200)
+    p = _command(sub, "demo", "index the bundled sample corpus and compare full vs block mode")
+    p.add_argument("--top-k", type=int, default=3, help="passages retrieved per question")
+    p.add_argument("--max-new-tokens", type=int, default=48, help="longest answer in tokens")
+    p.add_argument("--max-tokens", type=int, default=200, help="longest passage in tokens")
     p.add_argument("--questions", help='JSON list of {"question": ..., "answers": [...]} about the sample corpus '
                                        "(default: the six it ships with)")
     p.set_defaults(func=cmd_demo)
 
-    p = sub.add_parser("finetune", help="block fine-tuning on generated questions (LoRA adapter by default)")
+    p = _command(sub, "finetune", "block fine-tuning on generated questions (LoRA adapter by default)")
     p.add_argument("out", help="directory for checkpoints and the result; a rerun resumes from its checkpoint")
     p.add_argument("--questions", type=int, default=1200, help="generated train-split questions")
     p.add_argument("--passages", type=int, default=10, help="passages per question")
-    p.add_argument("--noise", type=float, default=0.5)
+    p.add_argument("--noise", type=float, default=0.5, help="share of distractors drawn from any entity; the rest are hard")
     p.add_argument("--prose", type=float, default=0.5,
                    help="share of train-split passages rewritten as connected prose, with questions in other words")
     p.add_argument("--unanswerable-share", type=float, default=0.05,
                    help="share of questions no passage answers (at most 0.25, what the generator makes)")
-    p.add_argument("--steps", type=int, default=TrainConfig.steps)
-    p.add_argument("--accumulate", type=int, default=TrainConfig.accumulate, help="examples per optimizer step")
-    p.add_argument("--lr", type=float, default=TrainConfig.learning_rate)
-    p.add_argument("--lora-r", type=int, default=TrainConfig.lora_r, help="LoRA rank (alpha is twice the rank)")
+    p.add_argument("--steps", type=int, default=TRAIN_DEFAULTS["steps"], help="optimizer steps")
+    p.add_argument("--accumulate", type=int, default=TRAIN_DEFAULTS["accumulate"], help="examples per optimizer step")
+    p.add_argument("--lr", type=float, default=TRAIN_DEFAULTS["learning_rate"], help="peak learning rate")
+    p.add_argument("--lora-r", type=int, default=TRAIN_DEFAULTS["lora_r"], help="LoRA rank (alpha is twice the rank)")
     p.add_argument("--full", action="store_true", help="train every weight instead of a LoRA adapter")
     p.add_argument("--full-attention-share", type=float, default=0.25,
                    help="share of examples trained with plain causal attention, so that full mode stays good")
-    p.add_argument("--save-every", type=int, default=TrainConfig.save_every, help="steps between checkpoints")
+    p.add_argument("--save-every", type=int, default=TRAIN_DEFAULTS["save_every"], help="steps between checkpoints")
     p.add_argument("--adapter-scale", type=float,
                    help="LoRA scale (alpha/r) to save the adapter at (default: the trained one; the shipped "
                         "adapter's is in its training.json)")
@@ -240,30 +318,39 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--init-seed", type=int,
                    help="seed for the LoRA initialisation and dropout (default: torch's own start, as the shipped "
                         "adapter was trained)")
-    p.add_argument("--init-adapter", help="LoRA adapter directory to continue training from, e.g. the shipped one "
-                                          "(it is trained on at this run's scale, 2 by default)")
-    p.add_argument("--distill", type=float, default=TrainConfig.distill,
+    p.add_argument("--init-adapter", help="LoRA adapter directory to continue training from, e.g. the shipped one; "
+                                          "it is trained on at this run's scale, 2 by default (default: a fresh one)")
+    p.add_argument("--distill", type=float, default=TRAIN_DEFAULTS["distill"],
                    help="weight of a term pulling block mode's predictions toward full mode's (same model, same "
                         "passages) on the question and answer; 0: off")
     p.set_defaults(func=cmd_finetune)
 
-    p = sub.add_parser("bench", help="benchmarks")
-    bench = p.add_subparsers(dest="bench", required=True)
-    b = bench.add_parser("ttft", help="time to first token vs cached context length")
+    p = _command(sub, "bench", "benchmarks", model=False)
+    bench = p.add_subparsers(dest="bench", required=True, metavar="BENCHMARK")
+    b = _command(bench, "ttft", "time to first token vs cached context length")
     b.add_argument("--lengths", default="0,512,1024,2048,4096,8000", help="context tokens before the question")
-    b.add_argument("--runs", type=int, default=3)
+    b.add_argument("--runs", type=int, default=3, help="runs per mode and length (the median is shown)")
     b.set_defaults(func=cmd_bench)
-    b = bench.add_parser("accuracy", help="accuracy and TTFT of every method on generated multi-document questions")
+    b = _command(bench, "accuracy", "accuracy and TTFT of every method on generated multi-document questions")
     b.add_argument("--limit", type=int, default=200, help="number of questions")
-    b.add_argument("--split", choices=("train", "dev", "test"), default="test")
+    b.add_argument("--split", choices=("train", "dev", "test"), default="test", help="which generated world")
     b.add_argument("--passages", type=int, default=10, help="passages per question (5-30)")
     b.add_argument("--noise", type=float, default=0.5, help="share of distractors drawn from any entity; the rest are hard")
-    b.add_argument("--seed", type=int, default=0)
-    b.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated, from {', '.join(RUNNERS)}")
-    b.add_argument("--max-new-tokens", type=int, default=32)
+    b.add_argument("--seed", type=int, default=0, help="seed of the generated questions")
+    b.add_argument("--methods", default=",".join(BENCH_METHODS),
+                   help=f"comma-separated, from {', '.join(BENCH_METHODS + BENCH_EXTRA_METHODS)}")
+    b.add_argument("--max-new-tokens", type=int, default=32, help="longest answer in tokens")
     b.add_argument("--results", help="JSON-lines file of answers; a rerun resumes it (default: under the cache directory)")
-    b.add_argument("--plot", help="PNG to write (default: next to the results; '' for none)")
+    b.add_argument("--plot", help="PNG to write, needs matplotlib (default: next to the results; '' for none)")
     b.set_defaults(func=cmd_bench_accuracy)
+
+    p = _command(sub, "kernels", "the optional C attention kernels", model=False)
+    kernels = p.add_subparsers(dest="kernels", required=True, metavar="ACTION")
+    b = _command(kernels, "build", "compile the kernels for this machine now, ahead of the first request", model=False)
+    b.add_argument("--force", action="store_true", help="compile even when a verified build exists")
+    b.set_defaults(func=cmd_kernels_build)
+    b = _command(kernels, "status", "whether the kernels are in use, and why not", model=False)
+    b.set_defaults(func=cmd_kernels_status)
     return parser
 
 
