@@ -235,7 +235,7 @@ def _render(e: _Entity, rng: random.Random) -> str:
 # The plain passages state one fact per sentence, always by name. Real text packs several facts into
 # one sentence, refers back with "it" or "the firm", and states facts nobody asks about in the
 # fourteen templates. A model tuned on plain passages alone learns those templates and, at full
-# adapter strength, fails on real text (README: Block fine-tuning), so training may mix in this style.
+# adapter strength, fails on real text (docs/finetuning.md), so training may mix in this style.
 
 
 def _invented(style: random.Random, parts: int = 3) -> str:

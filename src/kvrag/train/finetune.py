@@ -82,7 +82,7 @@ def with_unanswerable_share(qa_examples, share: float) -> list:
 
     The generator asks a quarter of its questions about facts no passage states. Trained on that
     quarter, the default model learns to decline far more often than it should (measured in the
-    README), so a run chooses how much of the refusal it sees."""
+    docs/finetuning.md), so a run chooses how much of the refusal it sees."""
     answerable = [q for q in qa_examples if q.type != "unanswerable"]
     declined = [q for q in qa_examples if q.type == "unanswerable"]
     if not 0.0 <= share < 1.0:
@@ -205,7 +205,7 @@ def train(engine, examples: Sequence[TrainingExample], out: str | Path, config: 
 
     `scale`: the LoRA scale (lora_alpha / r) the saved adapter is merged at, default the trained one.
     A weaker one keeps the model closer to its published behaviour on text unlike the training data
-    (README: Block fine-tuning). The engine is unusable afterwards (its weights are being changed);
+    (docs/finetuning.md). The engine is unusable afterwards (its weights are being changed);
     load the result in a new one.
     """
     config = config or TrainConfig()
