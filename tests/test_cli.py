@@ -141,3 +141,14 @@ def test_kernels_build_and_status_load_no_model(capsys, monkeypatch, tmp_path):
     assert built == [(False, str(tmp_path / "default")), (True, str(tmp_path / "other"))]
     assert main(["kernels", "status"]) == 0
     assert capsys.readouterr().out.splitlines()[-1] == "kernels: off (test)"
+
+
+def test_cli_refuses_a_non_utf8_file_and_indexes_nothing(tmp_path, capsys):
+    home = tmp_path / "home"
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "good.txt").write_text("The Varnholm lighthouse was built in 1873 by the engineer Ilsa Brandt.")
+    (docs / "bad.txt").write_bytes(b"caf\xe9 au lait")
+    assert main(["--home", str(home), "index", str(docs)]) == 2
+    assert "bad.txt is not UTF-8" in capsys.readouterr().err
+    assert not home.exists()  # checked before the model was even loaded: no KV, no Chroma collection
