@@ -18,6 +18,14 @@ def kvrag_home(tmp_path_factory):
         os.environ["KVRAG_HOME"] = old
 
 
+@pytest.fixture(scope="session", autouse=True)
+def kernels_built(kvrag_home):
+    """The C kernels built once per session into its KVRAG_HOME, ahead of every request, as ./run's set-up does."""
+    from kvrag import kernels
+
+    return kernels.build()
+
+
 @pytest.fixture
 def encoded(engine, monkeypatch) -> list:
     """Token ids of every block `engine` (the requesting directory's fixture) computes during the test:

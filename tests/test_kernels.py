@@ -1,6 +1,8 @@
-"""kvrag.kernels: the C kernels against torch, their use in the engine, and the fallback without them."""
+"""kvrag.kernels: the C kernels against torch, their use in the engine, the fallback without them,
+and how a build is made, verified and refused."""
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -12,20 +14,33 @@ from tiny import tiny_configs, tiny_model
 
 from kvrag import KVEngine, kernels
 from kvrag.assemble import Piece, fill
-from kvrag.attention import causal_mask
-from kvrag.cache import Workspace
+from kvrag.attention import mask
 from kvrag.store import KVBlock
+from kvrag.workspace import Workspace
 
 needs_avx512 = pytest.mark.skipif(not kernels.cpu_supported(), reason="kvrag.kernels need an x86-64 CPU with AVX-512F")
 needs_bf16 = pytest.mark.skipif(not kernels.cpu_supported("avx512_bf16"), reason="bfloat16 products need AVX512-BF16")
+needs_cc = pytest.mark.skipif(shutil.which(os.environ.get("CC", "cc")) is None, reason="no C compiler")
 PRINT_STATUS = "from kvrag import kernels; print(kernels.status())"  # in a fresh process, which reads KVRAG_KERNELS at import
+TEXTS = ["The river Olm freezes every winter.", "Ilsa Brandt built the lighthouse in 1873."]
+QUESTION = "Who built the lighthouse?"
 
 
 @pytest.fixture
 def lib():
     library = kernels.library()
-    assert library is not None, f"kernels: {kernels.status()}"
+    assert library is not None, f"kernels: {kernels.status()} (tests/conftest.py builds them once per session)"
     return library
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch):
+    """A KVRAG_HOME of the test's own, with the kernels loaded afresh there and again after the test."""
+    monkeypatch.setenv("KVRAG_HOME", str(tmp_path))
+    kernels._load.cache_clear()
+    yield tmp_path
+    monkeypatch.undo()
+    kernels._load.cache_clear()
 
 
 SHAPES = [(9, 3, 55, 4119), (3, 1, 2, 0), (8, 2, 64, 1000), (6, 6, 13, 127)]
@@ -43,7 +58,8 @@ def sdpa(query, key, value, dtype=torch.float32):
     n, past = query.shape[2], key.shape[2] - query.shape[2]
     query, key, value = (x.to(dtype) for x in (query, key, value))
     gqa = query.shape[1] != key.shape[1]
-    return F.scaled_dot_product_attention(query, key, value, attn_mask=causal_mask(n, past, dtype), enable_gqa=gqa)
+    causal = mask(torch.arange(past, past + n), past + n, dtype)
+    return F.scaled_dot_product_attention(query, key, value, attn_mask=causal, enable_gqa=gqa)
 
 
 @needs_avx512
@@ -101,21 +117,20 @@ def test_engine_runs_the_kernels_and_answers_as_without(lib, tok, tmp_path, monk
     (to float32 rounding, or to bfloat16's with its products)."""
     monkeypatch.setattr(kernels, "bf16", in_bf16)
     engine = KVEngine(tiny_model(tiny_configs(len(tok))["llama-head64"]), tok, home=tmp_path)
-    texts = ["The river Olm freezes every winter.", "Ilsa Brandt built the lighthouse in 1873."]
     calls = {"attend": 0, "fill_block": 0}
     for name in calls:
         original = getattr(kernels, name)
         monkeypatch.setattr(kernels, name, lambda *a, name=name, original=original: calls.__setitem__(name, calls[name] + 1) or original(*a))
 
     def run():
-        prompt, _ = engine.build_prompt("Who built the lighthouse?", texts)
+        prompt, _ = engine.build_prompt(QUESTION, TEXTS)
         state = engine.prefill(prompt, "block", all_logits=True)
         logits = state.logits.clone()
         engine.release(state)
-        return logits, engine.generate("Who built the lighthouse?", texts, max_new_tokens=12).token_ids
+        return logits, engine.generate(QUESTION, TEXTS, max_new_tokens=12).token_ids
 
     logits, answer = run()
-    assert calls["attend"] >= engine.model.config.num_hidden_layers and calls["fill_block"] >= len(texts)
+    assert calls["attend"] >= engine.model.config.num_hidden_layers and calls["fill_block"] >= len(TEXTS)
     monkeypatch.setattr(kernels, "enabled", False)
     calls.update(attend=0, fill_block=0)
     torch_logits, torch_answer = run()
@@ -128,21 +143,51 @@ def test_engine_runs_the_kernels_and_answers_as_without(lib, tok, tmp_path, monk
 
 
 @needs_avx512
-def test_kernels_are_built_once_per_machine(lib):
-    built = sorted((Path(os.environ["KVRAG_HOME"]) / "kernels").glob("kernels-*.so"))
-    assert len(built) == 1
-    before = built[0].stat().st_mtime_ns
-    assert kernels._build() == built[0] and built[0].stat().st_mtime_ns == before
+def test_the_library_uses_torchs_openmp_runtime(lib):
+    """One OpenMP runtime in the process: torch's, which the build links against by path."""
+    loaded = {line.split()[-1] for line in Path("/proc/self/maps").read_text().splitlines() if "libgomp" in line}
+    assert loaded == {str(kernels.openmp_runtime())}
+    assert "torch" in str(kernels.openmp_runtime())  # torch/lib, or torch.libs in some wheels
 
 
 @needs_avx512
+@needs_cc
+def test_a_build_is_private_recorded_and_made_once(home):
+    built = kernels.build()
+    assert built.startswith("on (")
+    path = kernels.build_path()
+    assert path.parent == home / "kernels" / f"user-{os.getuid()}"
+    assert path.parent.stat().st_mode & 0o777 == 0o700 and path.stat().st_uid == os.getuid()
+    assert path.with_suffix(".sha256").read_text().split() == [kernels.hashlib.sha256(path.read_bytes()).hexdigest()]
+    before = path.stat().st_mtime_ns
+    assert kernels.build() == built and path.stat().st_mtime_ns == before
+    assert sorted(p.name for p in path.parent.iterdir()) == sorted([path.name, path.with_suffix(".sha256").name])
+
+
+@needs_avx512
+@needs_cc
 def test_two_processes_building_at_once_both_get_the_kernels(tmp_path):
     env = {**os.environ, "KVRAG_HOME": str(tmp_path)}
-    procs = [subprocess.Popen([sys.executable, "-c", PRINT_STATUS], env=env, stdout=subprocess.PIPE, text=True) for _ in range(2)]
+    build = "from kvrag import kernels; print(kernels.build())"
+    procs = [subprocess.Popen([sys.executable, "-c", build], env=env, stdout=subprocess.PIPE, text=True) for _ in range(2)]
     products = "bfloat16" if kernels.cpu_supported("avx512_bf16") else "float32"  # KVRAG_KERNELS's default
     expected = f"on (AVX-512 C kernels, {products} attention products)"
     assert [proc.communicate(timeout=300)[0].strip() for proc in procs] == [expected] * 2
-    assert [path.name.startswith("kernels-") for path in (tmp_path / "kernels").iterdir()] == [True]
+    assert sorted(p.suffix for p in (tmp_path / "kernels" / f"user-{os.getuid()}").iterdir()) == [".sha256", ".so"]
+
+
+@needs_avx512
+def test_a_request_never_compiles(home, tok, monkeypatch, caplog):
+    """Without a build torch runs, and says once how to get the kernels."""
+    monkeypatch.setenv("CC", "/bin/false")  # a compiler that fails, were one run
+    engine = KVEngine(tiny_model(tiny_configs(len(tok))["llama-head64"]), tok, home=home)
+    with caplog.at_level("INFO", logger="kvrag.kernels"):
+        assert engine.generate(QUESTION, TEXTS, max_new_tokens=3).token_ids
+        assert engine.generate(QUESTION, TEXTS, max_new_tokens=3).token_ids
+    assert kernels.library() is None and "not built" in kernels.status()
+    said = [r.getMessage() for r in caplog.records if r.name == "kvrag.kernels"]
+    assert len(said) == 1 and "`kvrag kernels build`" in said[0]
+    assert not (home / "kernels").exists()
 
 
 @pytest.mark.parametrize(
@@ -161,17 +206,66 @@ def test_kvrag_kernels_setting(setting, status):
     assert status in run.stdout + run.stderr
 
 
-def test_without_a_compiler_torch_runs(tok, tmp_path, monkeypatch):
-    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
-    monkeypatch.setenv("KVRAG_HOME", str(tmp_path))
-    kernels._load.cache_clear()
-    try:
-        assert kernels.library() is None
-        assert "no C compiler" in kernels.status() or "AVX-512F" in kernels.status()
-        engine = KVEngine(tiny_model(tiny_configs(len(tok))["llama-head64"]), tok, home=tmp_path)
-        assert engine.generate("Who built it?", ["Ilsa Brandt built it."], max_new_tokens=3).token_ids
-        monkeypatch.setattr(kernels, "enabled", False)
-        assert kernels.status() == "off (KVRAG_KERNELS=0)"
-    finally:
-        monkeypatch.undo()
-        kernels._load.cache_clear()
+def test_without_a_compiler_torch_runs(home, tok, monkeypatch):
+    monkeypatch.setenv("CC", str(home / "no-such-cc"))
+    assert kernels.build().startswith("off (")
+    assert kernels.library() is None
+    assert "no C compiler" in kernels.build() or "AVX-512F" in kernels.status()
+    engine = KVEngine(tiny_model(tiny_configs(len(tok))["llama-head64"]), tok, home=home)
+    assert engine.generate(QUESTION, TEXTS, max_new_tokens=3).token_ids
+    monkeypatch.setattr(kernels, "enabled", False)
+    assert kernels.status() == "off (KVRAG_KERNELS=0)"
+
+
+ANSWER = f"""
+import sys
+sys.path.insert(0, {str(Path(__file__).parent)!r})
+from tiny import tiny_configs, tiny_model, tiny_tokenizer
+from kvrag import KVEngine, kernels
+tok = tiny_tokenizer()
+engine = KVEngine(tiny_model(tiny_configs(len(tok))["llama-head64"]), tok)
+print(engine.generate({QUESTION!r}, {TEXTS!r}, max_new_tokens=8).token_ids)
+print(kernels.status())
+"""
+PLANTED = r"""
+#include <stdio.h>
+__attribute__((constructor)) static void planted(void) { fopen(MARKER, "w"); }
+void attend(void) {}
+void fill_block(void) {}
+"""
+
+
+def corrupt(path: Path) -> None:
+    with open(path, "r+b") as f:
+        f.seek(path.stat().st_size // 2)
+        f.write(os.urandom(64))
+
+
+def plant(path: Path) -> None:
+    """A library of the right name and symbols whose load would leave a marker file."""
+    source = path.with_name("planted.c")
+    source.write_text(PLANTED)
+    marker = path.parent.parent / "planted-ran"
+    subprocess.run(["cc", "-shared", "-fPIC", f'-DMARKER="{marker}"', "-o", str(path), str(source)], check=True)
+    source.unlink()
+
+
+@needs_avx512
+@needs_cc
+@pytest.mark.parametrize("damage", ["corrupted", "planted", "shared directory"])
+def test_a_damaged_build_is_never_loaded(home, tok, monkeypatch, damage):
+    """Random bytes in the library, a different library in its place, or a directory that others may
+    write: a fresh process never loads it, answers as torch does, and warns once."""
+    assert kernels.build().startswith("on (")
+    path = kernels.build_path()
+    {"corrupted": corrupt, "planted": plant, "shared directory": lambda p: p.parent.chmod(0o770)}[damage](path)
+    run = subprocess.run([sys.executable, "-c", ANSWER], env={**os.environ, "KVRAG_HOME": str(home)},
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    answer, status = run.stdout.strip().splitlines()[-2:]
+    monkeypatch.setattr(kernels, "enabled", False)
+    torch_engine = KVEngine(tiny_model(tiny_configs(len(tok))["llama-head64"]), tok, home=home / "torch")
+    assert answer == str(torch_engine.generate(QUESTION, TEXTS, max_new_tokens=8).token_ids)
+    assert status.startswith("off (not loaded: ")
+    assert run.stderr.count("C kernels not loaded") == 1, run.stderr
+    assert not (home / "kernels" / "planted-ran").exists()

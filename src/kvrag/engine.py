@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from . import loading, modes
+from . import loading, modes, threads
 from .assemble import Blocks
 from .blend import BlendConfig
 from .decode import GenerationResult, GenerationStream, Sampler, run
@@ -150,6 +150,7 @@ class KVEngine:
         Every passage is checked before anything is computed, so a bad one stores nothing. `names`
         label the passages in error messages (default "passage 0", "passage 1", ...).
         """
+        threads.adapt()
         texts = list(texts) if not isinstance(texts, str) else [texts]
         if not texts:
             raise EmptyInputError("no passages to index")
@@ -240,6 +241,7 @@ class KVEngine:
         """
         if mode not in modes.PREFILL:
             raise ValueError(f"mode must be one of {modes.MODES}, got {mode!r}")
+        threads.adapt()  # a CPU shared with other processes: leave their cores to them
         blocks = self._blocks_for(mode)
         keys = blocks.keys(prompt.prefix, prompt.blocks) if keys is None else keys
         config = self._check_blend(blend) if blend else self.blend

@@ -8,7 +8,8 @@
 // probability . value) in bfloat16 pairs summed into float32 (vdpbf16ps, twice the float32 rate);
 // softmax and sums stay float32.
 // fill_block: a cached float16 block converted and rotated into the request's float32 buffers.
-// float32 compute, head_dim 64; built with cc -O3 -march=native -fopenmp.
+// float32 compute, head_dim 64; compiled with cc -O3 -march=native -fopenmp by kernels.build(), which
+// links it against torch's own libgomp: one OpenMP runtime, one thread pool, in the process.
 #include <immintrin.h>
 #include <math.h>
 #include <stdlib.h>

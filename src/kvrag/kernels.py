@@ -1,17 +1,19 @@
 """Hand-written CPU kernels for block mode's two hot spots, with torch's kernels as the fallback.
 
-With 4K-8K cached tokens, block mode spends most of its time in the question's attention over the
-cache, where `kernels.c` (the grouped heads folded into rows, scores and outputs held in
-registers) runs 55 queries over 4K-8K keys at ~160 GFLOP/s and torch's CPU flash kernel at ~95,
-and some in writing the cached float16 blocks into the request's float32 buffers, which
-`kernels.c` does in one pass. Where the CPU has AVX512-BF16 the attention's two products run in
-bfloat16 pairs summed into float32, at twice the float32 rate: block mode's logits move by a few
-hundredths and its answers barely (README: CPU kernels); `KVRAG_KERNELS=fp32` keeps float32,
-which matches torch to rounding. Like inductor's CPU kernels, the C is built with the system
-compiler (`$CC`, default `cc`), once per machine into KVRAG_HOME, and checked against torch when
-loaded. It runs only where it applies: Linux on x86-64 with AVX-512F, float32 compute, head_dim
-64, one sequence. Everywhere else, and with `KVRAG_KERNELS=0`, torch runs; `status()` says which
-and why.
+`kernels.c` computes the question's attention over a long cache (grouped heads folded into rows,
+scores and outputs held in registers; with AVX512-BF16 the two products in bfloat16 pairs summed
+into float32, `KVRAG_KERNELS=fp32` keeps float32) and writes cached float16 blocks into the
+request's float32 buffers in one pass. They run only where they apply: Linux on x86-64 with
+AVX-512F, float32 compute, head_dim 64, one sequence; everywhere else, and with `KVRAG_KERNELS=0`,
+torch runs, and `status()` says which and why.
+
+Built ahead of requests, never during one: `build()` (`kvrag kernels build`, and `./run`'s set-up)
+compiles with the system compiler (`$CC`, default `cc`) into this user's own directory,
+`$KVRAG_HOME/kernels/user-<uid>/` (created 0700: the home may be shared, a build is not), and
+records the library's SHA-256 beside it. A request loads a build only from a directory and file
+that are this user's alone and whose bytes match that record, read through the same descriptor it
+hands to the loader; anything else is never loaded, and torch runs. The library uses torch's own
+OpenMP runtime (linked against it by path), so one thread pool and one wait policy serve both.
 """
 
 import ctypes
@@ -20,22 +22,31 @@ import hashlib
 import logging
 import os
 import platform
+import shutil
+import stat
 import subprocess
+import tempfile
 import threading
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from .model import kvrag_home
+from .paths import kvrag_home
 
 SOURCE = Path(__file__).with_name("kernels.c")
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
+COMPILE = ["-O3", "-march=native", "-fopenmp", "-fPIC"]
 HEAD_DIM, ROWS_PER_BLOCK = 64, 6
 MAX_QUERIES = 64  # the attention kernel computes every key tile for every row, masked or not: made for a question
+HINT = "`kvrag kernels build` makes block mode faster"
 
 log = logging.getLogger(__name__)
-_unavailable = ""  # why the kernels could not be loaded, once tried
+_unavailable = ""  # why the kernels are not loaded, once tried
+_lock = threading.Lock()
+
+
+class Unverified(Exception):
+    """A build that must not be loaded: not this user's alone, or not the bytes recorded at build."""
 
 
 def use(setting: str) -> None:
@@ -50,14 +61,14 @@ use(os.environ.get("KVRAG_KERNELS", "bf16"))
 
 
 def library() -> ctypes.CDLL | None:
-    """The built kernels, or None where they are switched off or cannot run here."""
-    return _load() if enabled else None
+    """The verified build, or None where the kernels are switched off, not built or cannot run here."""
+    return _loaded() if enabled else None
 
 
 def status() -> str:
     if not enabled:
         return "off (KVRAG_KERNELS=0)"
-    lib = _load()
+    lib = _loaded()
     if lib is None:
         return f"off ({_unavailable})"
     return f"on (AVX-512 C kernels, {'bfloat16' if bf16 and lib.has_bf16 else 'float32'} attention products)"
@@ -73,43 +84,149 @@ def cpu_supported(flag: str = "avx512f") -> bool:
     return platform.machine() == "x86_64" and f" {flag}" in cpuinfo()
 
 
+def directory() -> Path:
+    """This user's builds: per user, so that a shared KVRAG_HOME never hands one user's code to another."""
+    return kvrag_home() / "kernels" / f"user-{os.getuid()}"
+
+
+def openmp_runtime() -> Path | None:
+    """The GNU OpenMP runtime torch loaded into this process, which the build links against; None if torch uses another."""
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        fields = line.split(maxsplit=5)  # address, permissions, offset, device, inode, path
+        if len(fields) == 6 and Path(fields[5]).name.startswith("libgomp"):
+            return Path(fields[5])
+    return None
+
+
+def build_path() -> Path:
+    """Where the build for this source, compiler choice, CPU and OpenMP runtime lives (found without running anything)."""
+    flags = next((line for line in cpuinfo().splitlines() if line.startswith("flags")), "")
+    parts = [SOURCE.read_text(), os.environ.get("CC", "cc"), *COMPILE, flags, str(openmp_runtime())]
+    return directory() / f"kernels-{hashlib.sha256(chr(0).join(parts).encode()).hexdigest()[:16]}.so"
+
+
+def build(force: bool = False) -> str:
+    """Compile the kernels for this machine unless a verified build exists (or `force`), then load
+    them; returns `status()`. Run it before requests: a request never compiles."""
+    global _unavailable
+    _load.cache_clear()
+    if not cpu_supported():
+        return status()
+    try:
+        path = _compile(force)
+    except (OSError, Unverified, subprocess.CalledProcessError) as e:
+        detail = e.stderr.strip().splitlines()[-1] if isinstance(e, subprocess.CalledProcessError) and e.stderr else e
+        _unavailable = f"the C kernels failed to build: {detail}"
+        _load.cache_clear()
+        return f"off ({_unavailable})"
+    log.info("kvrag: C kernels in %s", path)
+    return status()
+
+
+def _compile(force: bool) -> Path:
+    runtime = openmp_runtime()
+    if runtime is None:
+        raise OSError("torch does not use GNU OpenMP (libgomp), and a second OpenMP runtime is not wanted")
+    path = build_path()
+    _private_directory(path.parent, create=True)
+    if not force:
+        try:
+            os.close(_open_verified(path))
+            return path
+        except (OSError, Unverified):  # missing, damaged or replaced: built afresh, the renames replace whatever is there
+            pass
+    cc = shutil.which(os.environ.get("CC", "cc"))
+    if cc is None:
+        raise OSError(f"no C compiler {os.environ.get('CC', 'cc')!r} (set CC to one)")
+    with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+        obj, so = Path(tmp) / "kernels.o", Path(tmp) / "kernels.so"
+        run = functools.partial(subprocess.run, capture_output=True, text=True, check=True)
+        run([cc, *COMPILE, "-c", "-o", str(obj), str(SOURCE)])
+        # torch's libgomp by path instead of -fopenmp's system one: the same runtime torch has loaded
+        run([cc, "-shared", "-o", str(so), str(obj), str(runtime), f"-Wl,-rpath,{runtime.parent}", "-lm", "-Wl,--no-undefined"])
+        digest = Path(tmp) / "kernels.sha256"
+        digest.write_text(hashlib.sha256(so.read_bytes()).hexdigest() + "\n")
+        os.replace(so, path)  # the library first: a loader between the two renames finds a mismatch, never a wrong match
+        os.replace(digest, path.with_suffix(".sha256"))
+    return path
+
+
+def _private_directory(path: Path, create: bool = False) -> None:
+    """Refuse a directory that is not this user's, or that group or others may write (or a link to one)."""
+    if create:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            path.mkdir(mode=0o700)
+        except FileExistsError:
+            pass
+    info = os.lstat(path)
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o022:
+        raise Unverified(f"{path} is not a directory that only this user can write")
+
+
+def _private_file(fd: int, path: Path) -> None:
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o022:
+        raise Unverified(f"{path} is not a file that only this user can write")
+
+
+def _open_verified(path: Path) -> int:
+    """A descriptor on `path`, once the directory and file are this user's alone and the bytes read
+    through it match the SHA-256 recorded at build. FileNotFoundError where nothing was built."""
+    _private_directory(path.parent)
+    record = path.with_suffix(".sha256")
+    fd = os.open(record, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    with os.fdopen(fd, "rb") as file:
+        _private_file(file.fileno(), record)
+        expected = file.read(200).decode(errors="replace").strip()
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        _private_file(fd, path)
+        digest = hashlib.sha256()
+        while chunk := os.read(fd, 1 << 20):
+            digest.update(chunk)
+        if digest.hexdigest() != expected:
+            raise Unverified(f"{path} does not match the SHA-256 recorded when it was built")
+        return fd
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _loaded() -> ctypes.CDLL | None:
+    with _lock:  # one load (and one warning) however many threads ask first
+        return _load()
+
+
 @functools.cache
 def _load() -> ctypes.CDLL | None:
+    """The verified build, never compiled here; a missing build is normal (info), a refused one warns once."""
     global _unavailable
     if not cpu_supported():
         _unavailable = "they need Linux on an x86-64 CPU with AVX-512F"
-        log.info("kvrag: %s; torch's kernels run", _unavailable)
+        log.info("kvrag: C kernels %s; torch's kernels run", _unavailable)
+        return None
+    path = build_path()
+    try:
+        fd = _open_verified(path)
+    except FileNotFoundError:
+        _unavailable = f"not built; {HINT}"
+        log.info("kvrag: C kernels not built, torch's kernels run (%s)", HINT)
+        return None
+    except (OSError, Unverified) as e:
+        _unavailable = f"not loaded: {e}"
+        log.warning("kvrag: C kernels not loaded, torch's kernels run: %s (`kvrag kernels build` rebuilds them)", e)
         return None
     try:
-        lib = _bind(ctypes.CDLL(str(_build())))
+        lib = _bind(ctypes.CDLL(f"/proc/self/fd/{fd}"))  # the very bytes just verified, whatever the path now holds
         _check(lib)
         return lib
-    except (OSError, RuntimeError, subprocess.CalledProcessError) as e:
-        detail = e.stderr.strip().splitlines()[-1] if isinstance(e, subprocess.CalledProcessError) and e.stderr else e
-        _unavailable = f"the C kernels failed to build or load: {detail}"
-        log.warning("kvrag: %s; torch's kernels run, slower with long cached contexts", _unavailable)
+    except (OSError, AttributeError, RuntimeError) as e:
+        _unavailable = f"the C kernels failed to load: {e}"
+        log.warning("kvrag: %s; torch's kernels run", _unavailable)
         return None
-
-
-def _build() -> Path:
-    """Compile kernels.c once per source, compiler and CPU; concurrent builders each rename a whole file."""
-    cc = os.environ.get("CC", "cc")
-    try:
-        version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
-    except FileNotFoundError:
-        raise OSError(f"no C compiler {cc!r} (set CC to one)") from None
-    flags = next((line for line in cpuinfo().splitlines() if line.startswith("flags")), "")
-    digest = hashlib.sha256("\0".join([SOURCE.read_text(), cc, version, *FLAGS, flags]).encode()).hexdigest()[:16]
-    path = kvrag_home() / "kernels" / f"kernels-{digest}.so"
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}")
-        try:
-            subprocess.run([cc, *FLAGS, "-o", str(tmp), str(SOURCE)], capture_output=True, text=True, check=True)
-            os.replace(tmp, path)
-        finally:
-            tmp.unlink(missing_ok=True)
-    return path
+    finally:
+        os.close(fd)
 
 
 def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
@@ -123,14 +240,12 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
 
 
 def _check(lib) -> None:
-    """Refuse a build that disagrees with SDPA (a miscompiled or foreign library)."""
-    from .attention import causal_mask
-
+    """Refuse a build that disagrees with SDPA (a miscompiled library)."""
     generator = torch.Generator().manual_seed(0)  # leaves the caller's random state alone
     query = torch.randn(1, 4, 7, HEAD_DIM, generator=generator)
     key, value = torch.randn(2, 1, 2, 300 + 7, HEAD_DIM, generator=generator)
-    mask = causal_mask(7, 300, torch.float32)
-    expected = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, enable_gqa=True)
+    visible = torch.ones(7, 307, dtype=torch.bool).tril(300)  # the cache, then the question's own keys causally
+    expected = F.scaled_dot_product_attention(query, key, value, attn_mask=visible, enable_gqa=True)
     if not torch.allclose(attend(lib, query, key, value, HEAD_DIM**-0.5, in_bf16=False), expected, atol=1e-5):
         raise RuntimeError("its attention differs from SDPA")
     if lib.has_bf16 and not torch.allclose(attend(lib, query, key, value, HEAD_DIM**-0.5, in_bf16=True), expected, atol=2e-2):

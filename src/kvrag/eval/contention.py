@@ -1,15 +1,16 @@
 """Block-mode TTFT when the CPU is shared: thread policies x machine state, alternated in one run.
 
-    python -m kvrag.eval.contention [--rounds 2] [--reps 3] [--policies defaults,passive,...]
+    python -m kvrag.eval.contention [--rounds 2] [--reps 3] [--policies plain,passive,...]
 
 Each policy runs in a child process of its own (OpenMP reads its environment once, when torch
 loads it) that loads the default model, indexes ~4K tokens of passages and then times block-mode
-requests (`max_new_tokens=1`) in segments. Between segments this process starts or stops another
-process spinning on one core, so idle and busy alternate inside every child, and the policies take
-turns round after round: a machine that drifts affects them alike. A segment during which other
-processes used more than `--foreign` cores (from /proc/stat, less the child's and the spinner's
-own time) is run again, up to `--retries` times; the table counts the segments it kept and marks
-with * the rows that had to keep a contaminated one. Prints one table of medians.
+requests (`max_new_tokens=1`) through the public API, in segments. Between segments this process
+starts or stops another process spinning on one core, so idle and busy alternate inside every
+child, and the policies take turns round after round: a machine that drifts affects them alike.
+A segment during which other processes used more than `--foreign` cores (from /proc/stat, less the
+child's and the spinner's own time) is run again, up to `--retries` times; rows that had to keep
+such a segment are marked *. On a machine shared with other work, `--nice -10` (root) keeps that
+work from skewing both states, while the child and the spinner still compete as equals.
 """
 
 import argparse
@@ -33,22 +34,24 @@ FILLERS = (
     "The town council meets in the old customs house, whose clock was brought from the mainland in a fishing boat. ",
 )
 SPIN = "while 1: pass"
-RAW = {"OMP_NUM_THREADS", "OMP_WAIT_POLICY", "OMP_DYNAMIC", "OMP_PROC_BIND", "GOMP_SPINCOUNT", "KVRAG_KERNELS",
-       "MKL_NUM_THREADS", "KVRAG_THREADS"}
+SETTINGS = ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "OMP_DYNAMIC", "OMP_PROC_BIND", "GOMP_SPINCOUNT", "KVRAG_KERNELS",
+            "MKL_NUM_THREADS")
 
-# name: (environment of the child, whether kvrag is imported before torch so that kvrag's own thread set-up applies)
+# name: (environment, whether kvrag's own thread handling applies). Without it ("plain"), torch is
+# imported before kvrag, so kvrag's environment defaults come too late, and OMP_NUM_THREADS is set
+# (to torch's own count unless the policy names one), which turns kvrag's per-request count off:
+# torch's and libgomp's defaults, as kvrag ran before it had a thread policy.
 POLICIES = {
-    "defaults": ({}, False),  # torch's and libgomp's defaults, as kvrag ran before it set any
+    "plain": ({}, False),
     "passive": ({"OMP_WAIT_POLICY": "passive"}, False),
-    "spin10k": ({"GOMP_SPINCOUNT": "10000"}, False),
+    "spin3k": ({"GOMP_SPINCOUNT": "3000"}, False),
     "spin1k": ({"GOMP_SPINCOUNT": "1000"}, False),
-    "threads1": ({"OMP_NUM_THREADS": "1"}, False),
-    "kernels0": ({"KVRAG_KERNELS": "0"}, False),
-    "passive+kernels0": ({"OMP_WAIT_POLICY": "passive", "KVRAG_KERNELS": "0"}, False),
-    "kvrag": ({}, True),  # whatever `import kvrag` now sets up, as a user gets it
+    "leave-one": ({"OMP_NUM_THREADS": "-1"}, False),  # a core left free: one thread fewer than torch's default
+    "plain+kernels0": ({"KVRAG_KERNELS": "0"}, False),
+    "kvrag": ({}, True),  # what `import kvrag` and its requests now do, as a user gets them
     "kvrag+kernels0": ({"KVRAG_KERNELS": "0"}, True),
 }
-DEFAULT = "defaults,passive,spin10k,spin1k,threads1,kernels0,kvrag,kvrag+kernels0"
+DEFAULT = "plain,passive,leave-one,plain+kernels0,kvrag,kvrag+kernels0"
 
 
 def make_passages(tokenizer, tokens: int, count: int) -> list[str]:
@@ -63,8 +66,9 @@ def make_passages(tokenizer, tokens: int, count: int) -> list[str]:
     return passages
 
 
-def child() -> None:
-    """One policy's process: set up, say so, then time `reps` requests per line read ("quit" ends)."""
+def child(env: dict) -> None:
+    """One policy's process: set up, say so, then time `reps` requests per line read ("quit" ends).
+    `env`: the settings OpenMP read when torch was loaded."""
     import torch
 
     from kvrag import KVEngine, kernels
@@ -80,12 +84,12 @@ def child() -> None:
     for _ in range(2):  # warm-up: buffers, allocator, stored blocks in memory
         result = engine.generate(QUESTION, passages, mode="block", max_new_tokens=1)
     runtimes = sorted({line.split()[-1] for line in open("/proc/self/maps") if "libgomp" in line or "libiomp" in line})
-    _send(threads=torch.get_num_threads(), kernels=kernels.status(), prompt_tokens=result.prompt_tokens,
-          omp=runtimes, env={k: os.environ[k] for k in sorted(RAW) if k in os.environ})
+    _send(kernels=kernels.status(), prompt_tokens=result.prompt_tokens, omp=runtimes,
+          env={k: env[k] for k in SETTINGS if k in env})
     for line in sys.stdin:
         if line.strip() == "quit":
             break
-        _send(ttft=[ttft() for _ in range(int(line))])
+        _send(ttft=[ttft() for _ in range(int(line))], threads=torch.get_num_threads())
 
 
 def _send(**message) -> None:
@@ -117,8 +121,7 @@ class Spinner:
         self.proc, self.nice = None, nice
 
     def niceness(self) -> None:
-        """For the spinner and the children alike: a negative value (root only) keeps a shared machine's
-        other work from skewing both states, while the two compete with each other as equals."""
+        """For the spinner and the children alike."""
         if self.nice:
             os.setpriority(os.PRIO_PROCESS, 0, self.nice)
 
@@ -133,45 +136,53 @@ class Spinner:
             time.sleep(0.2)
 
 
-def segment(proc, log, spinner: Spinner, reps: int) -> tuple[list[float], float]:
-    """`reps` request times, and the cores other processes kept busy meanwhile."""
+def segment(proc, log, spinner: Spinner, reps: int) -> tuple[dict, float]:
+    """The child's answer for `reps` requests, and the cores other processes kept busy meanwhile."""
     ours = [proc.pid] + ([spinner.proc.pid] if spinner.proc else [])
     before, wall = [cpu_seconds()] + [cpu_seconds(pid) for pid in ours], time.perf_counter()
     proc.stdin.write(f"{reps}\n")
     proc.stdin.flush()
-    times = _receive(proc, log)["ttft"]
+    answer = _receive(proc, log)
     after, wall = [cpu_seconds()] + [cpu_seconds(pid) for pid in ours], time.perf_counter() - wall
     machine, *own = (b - a for a, b in zip(before, after))
-    return times, max(0.0, machine - sum(own)) / wall
+    return answer, max(0.0, machine - sum(own)) / wall
 
 
-def run_policy(name: str, args, spinner: Spinner, first: str) -> tuple[dict, dict[str, list[float]], int]:
-    """Start the policy's child, alternate the machine state segment by segment from `first`;
-    returns the child's set-up, the times kept per state and how many contaminated segments were kept."""
+def policy_env(name: str, torch_threads: int) -> tuple[dict, str]:
+    """The child's environment and the code it runs."""
     env, kvrag_first = POLICIES[name]
-    env = {**{k: v for k, v in os.environ.items() if k not in RAW}, **env}
-    prelude = "" if kvrag_first else "import torch; "
-    code = prelude + "from kvrag.eval.contention import child; child()"
+    env = {**{k: v for k, v in os.environ.items() if k not in SETTINGS}, **env}
+    if not kvrag_first:
+        count = int(env.get("OMP_NUM_THREADS", "0"))
+        env["OMP_NUM_THREADS"] = str(max(1, torch_threads + count) if count <= 0 else count)
+    first = "" if kvrag_first else "import torch; "
+    return env, f"import os; env = dict(os.environ); {first}from kvrag.eval.contention import child; child(env)"
+
+
+def run_policy(name: str, args, spinner: Spinner, first: str, torch_threads: int) -> tuple[dict, dict, int]:
+    """Start the policy's child, alternate the machine state segment by segment from `first`; returns
+    the child's set-up, the times and thread counts per state, and how many contaminated segments were kept."""
+    env, code = policy_env(name, torch_threads)
     spec = json.dumps({"tokens": args.tokens, "passages": args.passages})
-    times, contaminated = {"idle": [], "busy": []}, 0
+    times, contaminated = {"idle": [], "busy": [], "idle threads": set(), "busy threads": set()}, 0
     with tempfile.TemporaryFile("w+") as log:
         spinner.set(False)
         proc = subprocess.Popen([sys.executable, "-c", code, spec], env=env, stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, stderr=log, text=True,
-                                preexec_fn=spinner.niceness)
+                                stdout=subprocess.PIPE, stderr=log, text=True, preexec_fn=spinner.niceness)
         try:
             info = _receive(proc, log)
             states = ["idle", "busy"] if first == "idle" else ["busy", "idle"]
             for i in range(2 * args.segments):
                 state = states[i % 2]
                 spinner.set(state == "busy")
-                for attempt in range(args.retries + 1):
-                    measured, foreign = segment(proc, log, spinner, args.reps)
+                for _ in range(args.retries + 1):
+                    answer, foreign = segment(proc, log, spinner, args.reps)
                     if foreign <= args.foreign:
                         break
                     time.sleep(2)
                 contaminated += foreign > args.foreign
-                times[state] += measured
+                times[state] += answer["ttft"]
+                times[f"{state} threads"].add(answer["threads"])
             proc.stdin.write("quit\n")
             proc.stdin.flush()
             proc.wait(timeout=60)
@@ -183,18 +194,19 @@ def run_policy(name: str, args, spinner: Spinner, first: str) -> tuple[dict, dic
 
 
 def table(results: dict, infos: dict, contaminated: dict) -> str:
-    base = statistics.median(results["defaults"]["idle"]) if "defaults" in results else None
-    lines = [f"{'policy':<18} {'threads':>7} {'kernels':<9} {'idle s':>7} {'busy s':>7} {'busy/idle':>9} "
-             f"{'idle/defaults idle':>18} {'n':>5}  env"]
+    base = statistics.median(results["plain"]["idle"]) if "plain" in results else None
+    lines = [f"{'policy':<16} {'threads':>7} {'kernels':<7} {'idle s':>7} {'busy s':>7} {'busy/idle':>9} "
+             f"{'idle/plain idle':>15} {'n':>5}  environment"]
     for name, times in results.items():
         idle, busy = statistics.median(times["idle"]), statistics.median(times["busy"])
         info = infos[name]
+        threads = "/".join(",".join(map(str, sorted(times[f"{s} threads"]))) for s in ("idle", "busy"))
         kernels = "on" if info["kernels"].startswith("on") else "off"
         versus = f"{idle / base:.2f}x" if base else "-"
         env = " ".join(f"{k}={v}" for k, v in info["env"].items()) or "-"
         mark = "*" if contaminated[name] else " "
-        lines.append(f"{name + mark:<18} {info['threads']:>7} {kernels:<9} {idle:>7.3f} {busy:>7.3f} {busy / idle:>8.2f}x "
-                     f"{versus:>18} {len(times['idle']):>2}+{len(times['busy']):<2}  {env}")
+        lines.append(f"{name + mark:<16} {threads:>7} {kernels:<7} {idle:>7.3f} {busy:>7.3f} {busy / idle:>8.2f}x "
+                     f"{versus:>15} {len(times['idle']):>2}+{len(times['busy']):<2}  {env}")
     return "\n".join(lines)
 
 
@@ -215,26 +227,30 @@ def main(argv: list[str] | None = None) -> None:
     names = args.policies.split(",")
     if unknown := set(names) - set(POLICIES):
         parser.error(f"unknown policies {sorted(unknown)}; known: {', '.join(POLICIES)}")
-    build = subprocess.run([sys.executable, "-c", "from kvrag import kernels; print(kernels.build())"],
-                           capture_output=True, text=True)
-    print(f"kernels: {build.stdout.strip() or build.stderr.strip()[-300:]}; cores: {os.cpu_count()}; "
+    plain = {k: v for k, v in os.environ.items() if k not in SETTINGS}
+    probe = "import torch; from kvrag import kernels; print(torch.get_num_threads()); print(kernels.build())"
+    setup = subprocess.run([sys.executable, "-c", probe], env=plain, capture_output=True, text=True, check=True)
+    torch_threads, built = setup.stdout.split("\n", 1)
+    torch_threads = int(torch_threads)
+    print(f"kernels: {built.strip()}; torch's threads: {torch_threads}; CPUs: {len(os.sched_getaffinity(0))}; "
           f"load average {os.getloadavg()[0]:.2f}", flush=True)
-    results = {name: {"idle": [], "busy": []} for name in names}
+    results = {name: {"idle": [], "busy": [], "idle threads": set(), "busy threads": set()} for name in names}
     infos, spinner, started = {}, Spinner(args.nice), time.perf_counter()
     contaminated = dict.fromkeys(names, 0)
     for round_ in range(args.rounds):
         for i in range(len(names)):
             name = names[(i + round_) % len(names)]
             first = "idle" if (i + round_) % 2 == 0 else "busy"
-            infos[name], times, dirty = run_policy(name, args, spinner, first)
+            infos[name], times, dirty = run_policy(name, args, spinner, first, torch_threads)
             contaminated[name] += dirty
-            for state in times:
+            for state in ("idle", "busy"):
                 results[name][state] += times[state]
-            print(f"round {round_ + 1}/{args.rounds} {name:<18} idle {statistics.median(times['idle']):.3f} s, "
+                results[name][f"{state} threads"] |= times[f"{state} threads"]
+            print(f"round {round_ + 1}/{args.rounds} {name:<16} idle {statistics.median(times['idle']):.3f} s, "
                   f"busy {statistics.median(times['busy']):.3f} s ({time.perf_counter() - started:.0f} s)", flush=True)
-    prompt_tokens = {info["prompt_tokens"] for info in infos.values()}
-    print(f"\nblock-mode TTFT, median seconds; prompt {'/'.join(map(str, sorted(prompt_tokens)))} tokens, "
-          f"{args.passages} passages, max_new_tokens=1; busy = one `python -c '{SPIN}'` running; "
+    prompt_tokens = sorted({info["prompt_tokens"] for info in infos.values()})
+    print(f"\nblock-mode TTFT, median seconds; prompt {'/'.join(map(str, prompt_tokens))} tokens, {args.passages} "
+          f"passages, max_new_tokens=1; busy: one `python -c '{SPIN}'` running; threads: idle/busy; "
           f"load average at the end {os.getloadavg()[0]:.2f}")
     print(table(results, infos, contaminated))
     if any(contaminated.values()):
@@ -242,7 +258,8 @@ def main(argv: list[str] | None = None) -> None:
               + ", ".join(f"{name} {n}" for name, n in contaminated.items() if n))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "infos": infos, "results": results, "contaminated": contaminated}, f, indent=1)
+            dump = {name: {k: sorted(v) if isinstance(v, set) else v for k, v in r.items()} for name, r in results.items()}
+            json.dump({"args": vars(args), "infos": infos, "results": dump, "contaminated": contaminated}, f, indent=1)
 
 
 if __name__ == "__main__":

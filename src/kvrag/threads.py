@@ -1,0 +1,79 @@
+"""How many CPU threads a request uses, so that a CPU shared with other processes does not stall it.
+
+torch's OpenMP threads (which the C kernels share) split every step evenly and wait for each other
+by spinning. When another process keeps one of the cores busy, the thread sharing that core makes
+every step wait for the scheduler, and a request takes several times as long; a thread fewer runs
+at the speed of the cores that are free. Sleeping instead of spinning (OMP_WAIT_POLICY=passive)
+helps less and slows every request on an idle machine. So `adapt()`, called as each request starts,
+measures the cores other processes kept busy on this process's CPUs since its last call and leaves
+them out of the thread count; on an idle machine it changes nothing. It works whenever torch was
+imported (nothing to set before), and it stays out of the way of a count the user chose.
+"""
+
+import os
+import threading
+import time
+
+LEAVE, RETURN = 0.4, 0.25  # other processes' busy cores above which cores are left to them, below which all are taken back
+WINDOW = 0.05  # seconds: shorter spans are too coarse for /proc/stat's ticks
+
+_lock = threading.Lock()
+_state: dict = {}
+
+
+def _busy_seconds(cpus: set[int]) -> float:
+    """Time `cpus` spent not idle since boot, whoever ran on them (/proc/stat)."""
+    total = 0
+    with open("/proc/stat") as f:
+        next(f)  # the line summing all CPUs
+        for line in f:
+            if not line.startswith("cpu"):
+                break
+            name, *fields = line.split()
+            if int(name[3:]) in cpus:
+                values = [int(x) for x in fields[:8]]
+                total += sum(values) - values[3] - values[4]  # less idle and iowait
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def _sample() -> tuple[float, float, float]:
+    return _busy_seconds(_state["cpus"]), time.process_time(), time.monotonic()
+
+
+def _start(torch) -> None:
+    """Adapt only where /proc/stat tells the load and the user has not chosen a count (OMP_NUM_THREADS)."""
+    if "OMP_NUM_THREADS" in os.environ or not hasattr(os, "sched_getaffinity") or not os.path.exists("/proc/stat"):
+        _state["off"] = True
+        return
+    _state.update(cpus=os.sched_getaffinity(0), most=torch.get_num_threads(), set=torch.get_num_threads())
+    _state["last"] = _sample()
+
+
+def adapt() -> int:
+    """Set the calling thread's torch thread count for the request it starts; returns the count.
+
+    At most the count torch had at the first call; one core fewer for each core that other processes
+    kept busy on this process's CPUs since the last call, all again once they leave them. Hands off
+    where OMP_NUM_THREADS is set, and while the count differs from the one it set last (the user chose)."""
+    import torch
+
+    with _lock:
+        if not _state:
+            _start(torch)
+        if _state.get("off") or torch.get_num_threads() != _state["set"]:
+            return torch.get_num_threads()
+        now = _sample()
+        (busy0, own0, wall0), (busy1, own1, wall1) = _state["last"], now
+        if wall1 - wall0 < WINDOW:
+            return _state["set"]
+        _state["last"] = now
+        others = max(0.0, (busy1 - busy0) - (own1 - own0)) / (wall1 - wall0)
+        threads = _state["set"]
+        if others > LEAVE:
+            threads = max(1, min(_state["most"], len(_state["cpus"]) - round(others + 0.1)))
+        elif others < RETURN:
+            threads = _state["most"]
+        if threads != _state["set"]:
+            torch.set_num_threads(threads)
+            _state["set"] = threads
+        return threads
