@@ -90,11 +90,16 @@ def directory() -> Path:
 
 
 def openmp_runtime() -> Path | None:
-    """The GNU OpenMP runtime torch loaded into this process, which the build links against; None if torch uses another."""
+    """The GNU OpenMP runtime torch loaded into this process, which the build links against; None if torch
+    uses another. Other packages (scikit-learn, say) may map libgomp copies of their own: torch's is the one
+    under torch's install (torch/lib, or torch.libs in some wheels)."""
+    package = Path(torch.__file__).resolve().parent
     for line in Path("/proc/self/maps").read_text().splitlines():
         fields = line.split(maxsplit=5)  # address, permissions, offset, device, inode, path
         if len(fields) == 6 and Path(fields[5]).name.startswith("libgomp"):
-            return Path(fields[5])
+            path = Path(fields[5])
+            if path.parent in (package / "lib", package.parent / "torch.libs"):
+                return path
     return None
 
 
