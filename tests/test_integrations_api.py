@@ -1,18 +1,20 @@
-"""langchain_kvrag uses kvrag through its public names only: no engine internals, no tensor code."""
+"""The integrations use kvrag through its public names only: no engine internals, no tensor code."""
 
 import ast
+import importlib
 from pathlib import Path
 
-import kvrag
+import pytest
 
-import langchain_kvrag
+import kvrag
 
 PUBLIC_MODULES = {"kvrag.app.retrieval", "kvrag.app.split", "kvrag.eval", "kvrag.eval.chains", "kvrag.eval.metrics"}
 
 
-def test_only_kvrags_public_names_are_imported_and_no_private_attribute_is_read():
+@pytest.mark.parametrize("package", ["langchain_kvrag", "llama_index.llms.kvrag"])
+def test_only_kvrags_public_names_are_imported_and_no_private_attribute_is_read(package):
     imported = set()
-    for path in Path(langchain_kvrag.__file__).parent.glob("*.py"):
+    for path in Path(importlib.import_module(package).__file__).parent.glob("*.py"):
         tree = ast.parse(path.read_text(), str(path))
         for node in ast.walk(tree):
             if isinstance(node, ast.Import):
