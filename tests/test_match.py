@@ -2,6 +2,8 @@
 
 import copy
 import multiprocessing
+import sqlite3
+import warnings
 
 import numpy as np
 import pytest
@@ -167,3 +169,30 @@ def test_chat_turns_without_a_question_or_a_template(make_engine, tok):
 def test_window_hashes_of_non_bmp_text():
     text = "🙂" * 10 + "é" * 10
     assert np.array_equal(window_hashes(text, 5)[:1], window_hashes("🙂" * 5, 5))
+
+
+@pytest.mark.parametrize("damage", ["garbage", "another table", "not text"])
+def test_a_damaged_or_planted_passage_registry_is_set_aside(tmp_path, damage):
+    """passages.sqlite only remembers texts that indexing adds again: unusable, it is moved aside with a
+    warning, never a crash; rows that are not text are never matched."""
+    path = tmp_path / "passages.sqlite"
+    if damage == "garbage":
+        path.write_bytes(b"SQLite format 3\x00" + bytes(range(256)) * 8)
+    else:
+        db = sqlite3.connect(path)
+        if damage == "another table":
+            db.execute("CREATE TABLE passages (digest TEXT PRIMARY KEY, body BLOB)")
+        else:
+            db.execute("CREATE TABLE passages (digest TEXT PRIMARY KEY, text TEXT NOT NULL)")
+            db.execute("INSERT INTO passages VALUES ('x', x'00ff00ff00ff00ff00ff00ff00ff00ff00ff00ff00ff00ff00ff00ff00ff00ff')")
+            db.execute("INSERT INTO passages VALUES ('y', 123456789012345678)")
+        db.commit()
+        db.close()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        matcher = PassageMatcher(path)
+    moved = sorted(p.name for p in tmp_path.iterdir() if ".damaged-" in p.name)
+    assert (len(moved), len(caught)) == ((0, 0) if damage == "not text" else (1, 1))
+    passage = "The lighthouse of Varnholm was built in 1873 by the engineer Ilsa Brandt."
+    matcher.add([passage])
+    assert PassageMatcher(path).find(f"Context: {passage}\nQuestion: who?") == [(9, 9 + len(passage))]

@@ -10,8 +10,11 @@ finds passages that a vector store indexed in another.
 """
 
 import hashlib
+import os
 import sqlite3
 import threading
+import uuid
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -43,6 +46,17 @@ def window_hashes(text: str, width: int) -> np.ndarray:
         return (sums[width:] - sums[: n - width + 1]) * _powers(_BASE_INV, n - width + 1)
 
 
+def _open(path) -> sqlite3.Connection:
+    db = sqlite3.connect(str(path), timeout=60, check_same_thread=False, isolation_level=None)
+    try:
+        db.execute("CREATE TABLE IF NOT EXISTS passages (digest TEXT PRIMARY KEY, text TEXT NOT NULL)")
+        db.execute("SELECT rowid, text FROM passages LIMIT 1").fetchall()  # a table of another shape fails here
+    except sqlite3.DatabaseError:
+        db.close()
+        raise
+    return db
+
+
 class PassageMatcher:
     """The texts of indexed passages, and where they occur in a prompt.
 
@@ -59,8 +73,17 @@ class PassageMatcher:
         self._last_row = 0
         if path is not None:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
-            self._db = sqlite3.connect(str(path), timeout=60, check_same_thread=False, isolation_level=None)
-            self._db.execute("CREATE TABLE IF NOT EXISTS passages (digest TEXT PRIMARY KEY, text TEXT NOT NULL)")
+            try:
+                self._db = _open(path)
+            except sqlite3.DatabaseError as exc:  # damaged: it only remembers texts, which indexing adds again
+                aside = Path(path).with_name(f"{Path(path).name}.damaged-{uuid.uuid4().hex[:8]}")
+                warnings.warn(f"kvrag: {path} is unusable ({exc}); moved to {aside.name}, starting afresh",
+                              RuntimeWarning, stacklevel=2)
+                try:
+                    os.replace(path, aside)
+                except FileNotFoundError:  # another process moved it first
+                    pass
+                self._db = _open(path)
 
     def __len__(self) -> int:
         self._refresh()
@@ -93,7 +116,8 @@ class PassageMatcher:
             version = self._db.execute("PRAGMA data_version").fetchone()[0]
             if version == self._version and self._last_row:
                 return
-            for row, text in self._db.execute("SELECT rowid, text FROM passages WHERE rowid > ? ORDER BY rowid", (self._last_row,)):
+            rows = "SELECT rowid, text FROM passages WHERE rowid > ? AND typeof(text) = 'text' ORDER BY rowid"
+            for row, text in self._db.execute(rows, (self._last_row,)):
                 self._remember(text)
                 self._last_row = row
             self._version = version
