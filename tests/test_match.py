@@ -196,3 +196,15 @@ def test_a_damaged_or_planted_passage_registry_is_set_aside(tmp_path, damage):
     passage = "The lighthouse of Varnholm was built in 1873 by the engineer Ilsa Brandt."
     matcher.add([passage])
     assert PassageMatcher(path).find(f"Context: {passage}\nQuestion: who?") == [(9, 9 + len(passage))]
+
+
+def test_learned_passages_are_encoded_once_then_reused(make_engine):
+    """A passage the engine was only told about (a retrieval, say) becomes a block of a rendered prompt:
+    computed the first time, reused after."""
+    engine = make_engine()
+    engine.learn([P1, "  "])
+    text, _ = engine.layout.render_chat([("user", [P1, "Who built the lighthouse?"])])
+    first = engine.generate_text(text, max_new_tokens=2)
+    again = engine.generate_text(text, max_new_tokens=2)
+    assert first.cache_hits.get("computed", 0) >= 1 and again.cache_hits.get("computed", 0) == 0
+    assert again.reused_tokens >= len(engine.layout.passage_ids(P1)) and again.token_ids == first.token_ids

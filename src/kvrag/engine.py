@@ -1,11 +1,9 @@
 """KVEngine: index passages once, answer questions over their cached KV.
 
-The data path, one module each: a question and its passages become a `Prompt` (prompt.py; passages
-found in rendered text by match.py), their blocks' KV comes from the store (store.py) or is encoded,
-and is written re-rotated into a workspace (assemble.py, rope.py, workspace.py); the mode's prefill
-runs (modes.py, blend.py), then the token loop (decode.py).
-
-An engine may hold two weight sets: `model` for the block modes and `causal_model` for full and
+The data path, one module each: a request becomes a `Prompt` of blocks (prompt.py, match.py), their
+KV comes from the store or is encoded and is written re-rotated into a workspace (store.py,
+assemble.py, rope.py, workspace.py), the mode's prefill runs (modes.py, blend.py), then the token
+loop (decode.py). Two weight sets may serve: `model` the block modes, `causal_model` full and
 prefix, as when a block-tuned adapter serves the block modes only (`from_pretrained`'s default).
 """
 
@@ -37,21 +35,10 @@ _SHARED_LOCK = threading.Lock()
 
 
 class KVEngine:
-    def __init__(
-        self,
-        model,
-        tokenizer,
-        *,
-        causal_model=None,
-        block_context: str = "none",
-        storage_dtype: torch.dtype = torch.float16,
-        memory_budget: int = 1 << 30,
-        prompt_format: PromptFormat | None = None,
-        home: str | Path | None = None,
-        persist: bool = True,
-        fingerprint: str | None = None,
-        blend: BlendConfig | None = None,
-    ):
+    def __init__(self, model, tokenizer, *, causal_model=None, block_context: str = "none",
+                 storage_dtype: torch.dtype = torch.float16, memory_budget: int = 1 << 30,
+                 prompt_format: PromptFormat | None = None, home: str | Path | None = None, persist: bool = True,
+                 fingerprint: str | None = None, blend: BlendConfig | None = None):
         """`causal_model`: other weights for the causal modes (full, prefix), say the published ones when
         `model` carries a block-tuned adapter (default: `model` in every mode). `blend`: the default of
         blend mode's settings (each request may pass its own)."""
@@ -172,6 +159,11 @@ class KVEngine:
         self.passages.add(texts)
         return [f"kv_{k}" for k in keys]
 
+    def learn(self, texts: Iterable[str]) -> None:
+        """Remember passages without computing their KV: a rendered prompt that holds one (`generate_text`)
+        gets it as a block, encoded and stored the first time, reused after. Retrievals feed this."""
+        self.passages.add([t for t in texts if isinstance(t, str) and t.strip()])
+
     # ---- prompt: a request -> token ids by block -----------------------------------------------------
 
     def _resolve(self, blocks) -> list[tuple[str, list[int]]]:
@@ -225,10 +217,10 @@ class KVEngine:
     # ---- modes: a prompt -> its KV in a workspace ----------------------------------------------------
 
     def model_for(self, mode: str):
-        """The weights `mode` runs on: `causal_model` for full and prefix, `model` for the block modes."""
         return self._blocks_for(mode).model
 
     def _blocks_for(self, mode: str) -> Blocks:
+        """`causal_blocks` (the published weights with an adapter) for full and prefix, `blocks` otherwise."""
         return self.causal_blocks if mode in modes.CAUSAL_MODES else self.blocks
 
     @torch.inference_mode()
