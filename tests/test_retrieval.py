@@ -35,3 +35,12 @@ def test_passage_index_adds_once_per_text_and_finds_the_nearest(tmp_path):
     assert len(index.search("tiny", k=10)) == 3
     found = index.collection.get(ids=[passage_id(passages[2])])
     assert found["documents"] == [passages[2]] and found["metadatas"] == [{"source": "b.md"}]
+
+
+def test_passage_index_stores_a_text_repeated_in_one_batch_once(tmp_path):
+    index = PassageIndex(tmp_path, embedder=LengthEmbedder())
+    index.add(["same paragraph", "other", "same paragraph"], ["a.md", "a.md", "b.md"])
+    assert len(index) == 2
+    assert index.collection.get(ids=[passage_id("same paragraph")])["metadatas"] == [{"source": "b.md"}]
+    index.add([], [])
+    assert len(index) == 2

@@ -5,13 +5,16 @@ Passages reach the model in two ways:
 * explicit: `text-plain` content blocks in a message (`create_plaintext_block(text=...)`), one per
   passage; the message's `text` blocks are the question;
 * drop-in: any prompt at all (a `create_stuff_documents_chain`, a hand-written RAG template). The
-  engine finds the passages it has indexed inside the rendered prompt by content and reuses their
-  KV; everything else, including passages it never saw, is prefilled as ordinary text.
+  engine finds the passages it knows inside the rendered prompt by content and reuses their KV;
+  everything else, including passages it never saw, is prefilled as ordinary text. It knows what
+  was indexed (`KVRagVectorStore`, `engine.index`) and every document a retriever returned in this
+  process (`callbacks`: no user step), whose KV is computed the first time a prompt holds it.
 
 Both become one rendered chat-template string plus the passages' character spans in it, so a
 prompt that renders to the same text gives the same blocks and the same answer either way.
 """
 
+import warnings
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -32,8 +35,14 @@ from langchain_core.messages.ai import UsageMetadata
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
 from pydantic import ConfigDict, Field, model_validator
 
+from langchain_kvrag import callbacks as kv_callbacks
+
 _ROLES = {HumanMessage: "user", AIMessage: "assistant", SystemMessage: "system"}
 _CALL_OPTIONS = ("mode", "max_tokens", "temperature", "top_p", "top_k", "seed")
+_BLOCK_MODES = ("block", "blend", "composite")  # the modes that reuse passages' stored KV
+# A drop-in prompt this long that held no known passage most likely held documents kvrag never saw.
+_WARN_PROMPT_TOKENS = 256
+_warned = False
 
 
 class ChatKVRag(BaseChatModel):
@@ -85,6 +94,7 @@ class ChatKVRag(BaseChatModel):
     def _load_engine(self) -> "ChatKVRag":
         if self.engine is None:
             self.engine = KVEngine.shared(self.model)
+        kv_callbacks.register(self)  # documents any retriever returns reach this engine, no user step
         return self
 
     @property
@@ -157,6 +167,7 @@ class ChatKVRag(BaseChatModel):
                 run_manager.on_llm_new_token(delta, chunk=chunk)
             yield chunk
         result = stream.result
+        _check_reuse(result, spans, options["mode"])
         yield ChatGenerationChunk(
             message=AIMessageChunk(
                 content="",
@@ -179,6 +190,7 @@ class ChatKVRag(BaseChatModel):
         options = self._options(stop, kwargs)
         text, spans = self.render(messages)
         result = self.engine.generate_text(text, spans, **options)
+        _check_reuse(result, spans, options["mode"])
         metadata = self._metadata(result, options["mode"])
         message = AIMessage(content=result.text, usage_metadata=_usage(result), response_metadata=metadata)
         return ChatResult(generations=[ChatGeneration(message=message, generation_info={"finish_reason": result.finish_reason})])
@@ -195,6 +207,26 @@ class ChatKVRag(BaseChatModel):
             "cache_hits": dict(result.cache_hits),
             "finish_reason": result.finish_reason,
         }
+
+
+def _check_reuse(result: GenerationResult, spans, mode: str) -> None:
+    """Say once per process when a long drop-in prompt in a block mode held no passage the engine knew:
+    it reused nothing, though it most likely held documents (which only a retriever run, or indexing,
+    makes known)."""
+    global _warned
+    if _warned or spans is not None or mode not in _BLOCK_MODES or result.cache_hits:
+        return
+    if result.prompt_tokens < _WARN_PROMPT_TOKENS:
+        return
+    _warned = True
+    warnings.warn(
+        f"ChatKVRag: this prompt ({result.prompt_tokens} tokens) held no passage the engine knows, so no KV "
+        "was reused and every token was prefilled. Documents are learned when a retriever returns them in "
+        "this process (vector_store.as_retriever() in the chain); documents from similarity_search() or "
+        "written into the prompt by hand are not: add them through KVRagVectorStore or "
+        "llm.engine.index(texts). (Said once per process.)",
+        stacklevel=3,
+    )
 
 
 def _usage(result: GenerationResult) -> UsageMetadata:

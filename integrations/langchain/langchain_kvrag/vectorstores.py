@@ -7,6 +7,9 @@ default) that does the storing and searching. Retrieved documents carry the exac
 was indexed, which is how the chat model finds their cached blocks in a prompt.
 """
 
+import hashlib
+import json
+import uuid
 from collections.abc import Callable, Iterable, Sequence
 from functools import partial
 from pathlib import Path
@@ -24,6 +27,30 @@ from typing_extensions import Self
 from .embeddings import KVRagEmbeddings
 
 DEFAULT_COLLECTION = "kvrag-langchain"
+ID_NAMESPACE = uuid.UUID("5b0e3c1a-7a55-4c1e-9d6f-6b7a7c9e2f10")
+
+
+def document_id(text: str, metadata: dict | None = None) -> str:
+    """A content-derived id: the same text and metadata give the same id in every run, so adding a
+    document again replaces it instead of storing a copy (LangChain's indexing API hashes documents
+    the same way). A UUID, because some stores (Qdrant) take no other ids."""
+    payload = json.dumps([text, metadata or {}], sort_keys=True, default=str)
+    return str(uuid.uuid5(ID_NAMESPACE, hashlib.sha256(payload.encode()).hexdigest()))
+
+
+def _ids(texts: list[str], metadatas: Sequence[dict | None] | None, ids: Sequence[str | None] | None) -> list[str]:
+    """The given id where there is one, else the content-derived one."""
+    if ids is not None and len(ids) != len(texts):
+        raise ValueError(f"got {len(ids)} ids for {len(texts)} texts")
+    metadatas = metadatas if metadatas is not None else [None] * len(texts)
+    ids = ids if ids is not None else [None] * len(texts)
+    return [id_ or document_id(text, metadata) for text, metadata, id_ in zip(texts, metadatas, ids)]
+
+
+def _last_of_each(ids: list[str]) -> list[int]:
+    """Positions to store, one per id, the last one winning (same id → replaced): Chroma refuses a
+    batch that repeats an id, and a document given twice in one batch is one document."""
+    return sorted({id_: i for i, id_ in enumerate(ids)}.values())
 
 
 class _Chroma(Chroma):
@@ -69,7 +96,13 @@ class KVRagVectorStore(VectorStore):
     non-UTF-8 or longer than the model's context window raise `kvrag.EmptyInputError`,
     `InputEncodingError`, `ContextOverflowError`) before it encodes anything, and skips
     passages whose KV is already stored. Only then do the texts reach the inner store, so a
-    bad text means nothing of its batch is added. Searching, `get_by_ids` and `delete` are the
+    bad text means nothing of its batch is added.
+
+    Adding is idempotent: a document without an id gets one derived from its text and metadata
+    (`document_id`), and the default Chroma upserts, so re-running a script that adds the same
+    documents leaves one copy of each. Ids you give (`ids=` or `Document.id`) are kept: the same id
+    again replaces the document. With an inner store of your own, a repeated id does what that store
+    does with it (most replace it; some, FAISS among them, refuse). Searching, `get_by_ids` and `delete` are the
     inner store's; `as_retriever` searches through this store, so documents added through the
     retriever get their KV too. Deleting a document leaves its KV behind: blocks are
     content-addressed and may serve other documents with the same text; the KV store's own
@@ -146,19 +179,42 @@ class KVRagVectorStore(VectorStore):
         ids: list[str] | None = None,
         **kwargs: Any,
     ) -> list[str]:
-        """Encode and store the texts' KV (all checked first), then add them to the inner store."""
+        """Encode and store the texts' KV (all checked first), then add them to the inner store.
+
+        Returns one id per text: the given one, else `document_id(text, metadata)`."""
         texts = list(texts)
         if not texts:
             return []
         self._index(texts)
-        return self.vectorstore.add_texts(texts, metadatas, ids=ids, **kwargs)
+        ids = _ids(texts, metadatas, ids)
+        unique_texts, unique_metadatas, unique_ids = self._unique(texts, metadatas, ids)
+        self.vectorstore.add_texts(unique_texts, unique_metadatas, ids=unique_ids, **kwargs)
+        return ids
+
+    @staticmethod
+    def _unique(texts: list[str], metadatas: list[dict] | None, ids: list[str]) -> tuple:
+        """(texts, metadatas, ids) with one entry per id, for the inner store's add_texts."""
+        keep = _last_of_each(ids)
+        kept_metadatas = [metadatas[i] for i in keep] if metadatas is not None else None
+        return [texts[i] for i in keep], kept_metadatas, [ids[i] for i in keep]
+
+    @staticmethod
+    def _with_ids(documents: list[Document], ids: list[str] | None) -> tuple[list[Document], list[str], list[str]]:
+        """(documents to store, their ids, one id per given document): `ids`, else `Document.id`,
+        else the content-derived id."""
+        texts, metadatas = [d.page_content for d in documents], [d.metadata for d in documents]
+        ids = _ids(texts, metadatas, ids if ids is not None else [d.id for d in documents])
+        keep = _last_of_each(ids)
+        return [documents[i] for i in keep], [ids[i] for i in keep], ids
 
     def add_documents(self, documents: list[Document], **kwargs: Any) -> list[str]:
         """Encode and store the documents' KV (all checked first), then add them to the inner store."""
         if not documents:
             return []
         self._index([doc.page_content for doc in documents])
-        return self.vectorstore.add_documents(documents, **kwargs)
+        unique, unique_ids, ids = self._with_ids(documents, kwargs.pop("ids", None))
+        self.vectorstore.add_documents(unique, ids=unique_ids, **kwargs)
+        return ids
 
     async def aadd_texts(
         self,
@@ -173,14 +229,19 @@ class KVRagVectorStore(VectorStore):
         if not texts:
             return []
         await run_in_executor(None, self._index, texts)
-        return await self.vectorstore.aadd_texts(texts, metadatas, ids=ids, **kwargs)
+        ids = _ids(texts, metadatas, ids)
+        unique_texts, unique_metadatas, unique_ids = self._unique(texts, metadatas, ids)
+        await self.vectorstore.aadd_texts(unique_texts, unique_metadatas, ids=unique_ids, **kwargs)
+        return ids
 
     async def aadd_documents(self, documents: list[Document], **kwargs: Any) -> list[str]:
         """`add_documents` without blocking the event loop: encoding runs in an executor thread."""
         if not documents:
             return []
         await run_in_executor(None, self._index, [doc.page_content for doc in documents])
-        return await self.vectorstore.aadd_documents(documents, **kwargs)
+        unique, unique_ids, ids = self._with_ids(documents, kwargs.pop("ids", None))
+        await self.vectorstore.aadd_documents(unique, ids=unique_ids, **kwargs)
+        return ids
 
     @classmethod
     def from_texts(

@@ -69,11 +69,17 @@ class PassageIndex:
         self.collection = chroma_collection(path, name)
 
     def add(self, passages: list[str], sources: list[str]) -> None:
+        """Upserts under content-hash ids, so re-running `kvrag index` stores nothing twice. A text
+        repeated in one batch (the same paragraph in two files) is stored once, with its last source:
+        Chroma refuses a batch that repeats an id."""
+        latest = dict(zip(passages, sources))
+        if not latest:
+            return
         self.collection.upsert(
-            ids=[passage_id(p) for p in passages],
-            documents=list(passages),
-            embeddings=self.embedder.embed(passages),
-            metadatas=[{"source": s} for s in sources],
+            ids=[passage_id(p) for p in latest],
+            documents=list(latest),
+            embeddings=self.embedder.embed(list(latest)),
+            metadatas=[{"source": s} for s in latest.values()],
         )
 
     def __len__(self) -> int:

@@ -20,6 +20,7 @@ import pytest
 from kvrag import KVEngine
 from kvrag.app.split import read_text, split_passages
 from langchain_core.documents import Document
+from langchain_core.prompts import ChatPromptTemplate
 from langchain_kvrag.chains import best_answer, rag_chain
 from langchain_kvrag.chat_models import ChatKVRag
 
@@ -152,3 +153,28 @@ def test_example_app_compares_full_and_block(tmp_path):
         assert first.endswith(("[ok]", "[?]")) and not second.endswith(("[ok]", "[?]"))  # the 2nd has no answers
     assert answers["stuff/block"] == answers["kv_blocks/block"]  # the same text: passages found = passages given
     assert re.search(r"^median TTFT speed-up of block over full: [\d.]+x$", out, re.M)
+
+
+def test_tutorial_with_plain_chroma_reuses_from_the_second_question_on_the_default_model():
+    """As a user meets it: the tutorial chain over a plain in-memory Chroma, only the chat model is kvrag's."""
+    import uuid
+
+    from langchain_chroma import Chroma
+    from langchain_core.runnables import RunnablePassthrough
+
+    from langchain_kvrag import KVRagEmbeddings
+
+    tag = uuid.uuid4().hex[:6]
+    store = Chroma(collection_name=f"tutorial-{tag}", embedding_function=KVRagEmbeddings())
+    store.add_documents([Document(page_content=text) for text in (
+        f"The Varnholm lighthouse ({tag}) was built in 1873 by the engineer Ilsa Brandt.",
+        f"The river Olm ({tag}) freezes every winter, and the ferry stops until March.",
+    )])
+    prompt = ChatPromptTemplate.from_messages([("system", "Answer from the context.\n\n{context}"), ("human", "{question}")])
+    context = store.as_retriever(search_kwargs={"k": 2}) | (lambda docs: "\n\n".join(d.page_content for d in docs))
+    chain = {"context": context, "question": RunnablePassthrough()} | prompt | ChatKVRag(max_tokens=12)
+    chain.invoke("Who built the Varnholm lighthouse?")
+    second = chain.invoke("Who built the Varnholm lighthouse?")
+    assert second.response_metadata["reused_tokens"] > 0
+    assert second.response_metadata["cache_hits"].get("computed", 0) == 0
+    assert "brandt" in second.content.lower()

@@ -5,6 +5,11 @@ limit, so "a bad text adds nothing" is tested without a model. The real engine i
 tests/integration_tests.
 """
 
+import json
+import os
+import subprocess
+import sys
+
 import pytest
 from kvrag import ContextOverflowError, EmptyInputError, InputEncodingError, KVEngine, check_text
 from langchain_chroma import Chroma
@@ -14,7 +19,7 @@ from langchain_core.indexing import InMemoryRecordManager, index
 from langchain_core.vectorstores import InMemoryVectorStore
 
 from langchain_kvrag.embeddings import KVRagEmbeddings
-from langchain_kvrag.vectorstores import DEFAULT_COLLECTION, KVRagVectorStore
+from langchain_kvrag.vectorstores import DEFAULT_COLLECTION, KVRagVectorStore, document_id
 
 TEXTS = ["the lighthouse keeper is Ada", "the ferry leaves at noon", "bread is baked at dawn"]
 MAX_CHARS = 200
@@ -263,3 +268,94 @@ def test_langchain_indexing_skips_unchanged_documents_and_deletes_stale_ones(sto
     assert (result["num_added"], result["num_skipped"], result["num_deleted"]) == (1, 2, 1)
     assert events == [("index", ["bread is baked at six"]), ("add", ["bread is baked at six"])]
     assert sorted(d["text"] for d in store.vectorstore.store.values()) == sorted([*TEXTS[:2], "bread is baked at six"])
+
+
+# ---- idempotent adds: re-running a script stores nothing twice --------------------------------------
+
+TUTORIAL = [
+    Document(page_content=t, metadata={"source": f"page-{i}"}) for i, t in enumerate([*TEXTS, "the mill turns at dusk"])
+]
+
+
+def run_tutorial_script(home, events, name="from_documents"):
+    """What a tutorial script does on every run: open the default persistent store, add the documents, ask."""
+    options = dict(engine=SpyEngine(events), persist_directory=home, collection_name="tutorial")
+    embedding = DeterministicFakeEmbedding(size=8)
+    if name == "from_documents":
+        store = KVRagVectorStore.from_documents(TUTORIAL, embedding, **options)
+    else:
+        store = KVRagVectorStore(embedding=embedding, **options)
+        store.add_texts([d.page_content for d in TUTORIAL], [d.metadata for d in TUTORIAL])
+    retrieved = store.as_retriever(search_kwargs={"k": 4}).invoke(TEXTS[1])
+    return len(store.vectorstore.get()["ids"]), [(d.id, d.page_content) for d in retrieved]
+
+
+@round_off
+@pytest.mark.parametrize("name", ["from_documents", "add_texts"])
+def test_re_running_a_script_leaves_the_count_and_the_retrieved_set_unchanged(tmp_path, events, name):
+    first = run_tutorial_script(tmp_path, events, name)
+    second = run_tutorial_script(tmp_path, events, name)
+    assert first[0] == second[0] == len(TUTORIAL)
+    assert second[1] == first[1] and len({content for _, content in first[1]}) == 4
+
+
+@pytest.mark.parametrize("path", ADD_PATHS)
+async def test_adding_the_same_documents_again_does_not_duplicate_them(chroma_store, path):
+    first = await add(chroma_store, path, TEXTS)
+    second = await add(chroma_store, path, TEXTS)
+    assert first == second == [document_id(t, {"n": i}) for i, t in enumerate(TEXTS)]
+    assert len(chroma_store.vectorstore.get()["ids"]) == 3 + 3  # the fixture's a, b, c and one copy of each
+
+
+async def test_content_ids_depend_on_text_and_metadata(chroma_store):
+    assert document_id("x", {"a": 1, "b": 2}) == document_id("x", {"b": 2, "a": 1}) != document_id("x", {"a": 2})
+    assert document_id("x") == document_id("x", {}) != document_id("y")
+    chroma_store.add_documents([Document(page_content=TEXTS[0], metadata={"n": 9})])
+    assert len(chroma_store.vectorstore.get()["ids"]) == 4  # other metadata: another document
+
+
+@pytest.mark.parametrize("path", ADD_PATHS)
+async def test_given_ids_are_kept_and_the_same_id_replaces(chroma_store, path):
+    ids = await add(chroma_store, path, ["the lighthouse keeper is Bo"], ids=["a"])
+    assert ids == ["a"]
+    assert sorted(chroma_store.vectorstore.get()["ids"]) == ["a", "b", "c"]
+    assert contents(chroma_store.get_by_ids(["a"])) == ["the lighthouse keeper is Bo"]
+
+
+def test_document_ids_are_kept_and_a_repeat_in_one_batch_is_stored_once(chroma_store):
+    docs = [Document(page_content="new keeper", id="a"), Document(page_content="twice"), Document(page_content="twice")]
+    assert chroma_store.add_documents(docs) == ["a", document_id("twice"), document_id("twice")]
+    assert len(chroma_store.vectorstore.get()["ids"]) == 4
+    assert chroma_store.add_texts(["x", "y"], ids=["d", "d"]) == ["d", "d"]
+    assert contents(chroma_store.get_by_ids(["d"])) == ["y"]  # the last one wins, as a later add would
+    with pytest.raises(ValueError, match="2 ids for 1 texts"):
+        chroma_store.add_texts(["z"], ids=["e", "f"])
+
+
+SCRIPT = """
+import json
+from langchain_core.documents import Document
+from langchain_core.embeddings import DeterministicFakeEmbedding
+from langchain_kvrag import KVRagVectorStore
+
+class NoKV:  # the KV cache is not what this checks
+    def index(self, texts, progress=True):
+        return []
+
+texts = ["the lighthouse keeper is Ada", "the ferry leaves at noon", "bread is baked at dawn", "the mill turns at dusk"]
+docs = [Document(page_content=t, metadata={"source": f"page-{i}"}) for i, t in enumerate(texts)]
+store = KVRagVectorStore.from_documents(docs, DeterministicFakeEmbedding(size=8), engine=NoKV(), collection_name="tut")
+found = store.as_retriever(search_kwargs={"k": 4}).invoke(texts[1])
+print(json.dumps([len(store.vectorstore.get()["ids"]), [[d.id, d.page_content] for d in found]]))
+"""
+
+
+def test_a_script_run_twice_in_new_processes_stores_each_document_once(tmp_path):
+    """The default store under one KVRAG_HOME, as two runs of the same script see it."""
+    env = {**os.environ, "KVRAG_HOME": str(tmp_path)}
+    runs = [
+        json.loads(subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, check=True).stdout)
+        for _ in range(2)
+    ]
+    assert runs[0] == runs[1]
+    assert runs[0][0] == 4 and len({text for _, text in runs[0][1]}) == 4

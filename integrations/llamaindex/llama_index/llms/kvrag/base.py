@@ -5,8 +5,10 @@ Passages reach the model in two ways:
 * explicit (`chat`): a message's `DocumentBlock`s holding text, and, when a message has several
   `TextBlock`s, every one but the last; the last text block is the question;
 * drop-in: any prompt at all (the built-in `compact` and `simple_summarize` synthesizers, a
-  hand-written template). The engine finds the passages it has indexed inside the rendered prompt
-  by content and reuses their KV; everything else is prefilled as ordinary text.
+  hand-written template). The engine finds the passages it knows inside the rendered prompt by
+  content and reuses their KV; everything else is prefilled as ordinary text. It knows what was
+  indexed (`KVPrecompute`, `engine.index`) and every node a retriever returned in this process
+  (`learning`: no user step), whose KV is computed the first time a prompt holds it.
 
 Both become one rendered chat-template string plus the passages' character spans in it, so a
 prompt that renders to the same text gets the same blocks and the same answer either way.
@@ -37,6 +39,8 @@ from llama_index.core.base.llms.types import (
 from llama_index.core.bridge.pydantic import ConfigDict, Field, PrivateAttr
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.custom import CustomLLM
+
+from . import learning
 
 _CALL_OPTIONS = ("mode", "max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "max_time")
 _ROLES = {
@@ -98,6 +102,7 @@ class KVRagLLM(CustomLLM):
         """`engine`: the engine holding the model and the KV store; `KVEngine.shared(model)` when not given."""
         super().__init__(**kwargs)
         self._engine = engine if engine is not None else KVEngine.shared(self.model)
+        learning.register(self)  # retrieved nodes reach this engine with no user step
 
     @classmethod
     def class_name(cls) -> str:
@@ -159,7 +164,9 @@ class KVRagLLM(CustomLLM):
 
     def _generate(self, rendered: tuple[str, Any], options: dict[str, Any]) -> tuple[str, dict, dict]:
         result = self._engine.generate_text(*rendered, **options)
-        return result.text, self._stats(result), asdict(result)
+        stats = self._stats(result)
+        learning.observe(stats, options["mode"], explicit=rendered[1] is not None)
+        return result.text, stats, asdict(result)
 
     def _stream(self, rendered: tuple[str, Any], options: dict[str, Any]) -> Iterator[tuple[str, str, dict, dict | None]]:
         """(text so far, delta, stats, raw) per token; a last item with an empty delta carries the stats."""
@@ -168,7 +175,9 @@ class KVRagLLM(CustomLLM):
         for delta in stream:
             text += delta
             yield text, delta, {}, None
-        yield text, "", self._stats(stream.result), asdict(stream.result)
+        stats = self._stats(stream.result)
+        learning.observe(stats, options["mode"], explicit=rendered[1] is not None)
+        yield text, "", stats, asdict(stream.result)
 
     # Prompts and options are checked when called; only generation waits for the first `next`.
 

@@ -1,0 +1,94 @@
+"""Reuse without an extra step (langchain_kvrag.callbacks), on a tiny random-weight model: LangChain's
+RAG tutorial with a plain in-memory Chroma and ChatKVRag reuses KV from the second question that
+retrieves the same documents; a long prompt that could reuse nothing says so once."""
+
+import gc
+import uuid
+import warnings
+
+import pytest
+import torch
+from kvrag import KVEngine
+from langchain_chroma import Chroma
+from langchain_core.documents import Document
+from langchain_core.output_parsers import StrOutputParser
+from langchain_core.prompts import ChatPromptTemplate
+from langchain_core.runnables import RunnablePassthrough
+
+from tiny import tiny_configs, tiny_model, tiny_tokenizer
+
+from langchain_kvrag import ChatKVRag, KVRagEmbeddings, callbacks, chat_models
+
+QUESTION = "Who built the lighthouse?"
+
+
+@pytest.fixture
+def engine(tmp_path) -> KVEngine:
+    tokenizer = tiny_tokenizer()
+    return KVEngine(tiny_model(tiny_configs(len(tokenizer))["llama"]), tokenizer, home=tmp_path, storage_dtype=torch.float32)
+
+
+def _tutorial_chain(llm, retriever):
+    """The classic tutorial: retriever | format_docs into a prompt, the chat model, a string parser."""
+    prompt = ChatPromptTemplate.from_messages(
+        [("system", "Answer from the context.\n\n{context}"), ("human", "{question}")]
+    )
+
+    def format_docs(docs):
+        return "\n\n".join(d.page_content for d in docs)
+
+    return {"context": retriever | format_docs, "question": RunnablePassthrough()} | prompt | llm
+
+
+def test_tutorial_with_plain_chroma_reuses_from_the_second_question(engine):
+    tag = uuid.uuid4().hex[:6]
+    store = Chroma(collection_name=f"tutorial-{tag}", embedding_function=KVRagEmbeddings())
+    store.add_documents(
+        [
+            Document(page_content=f"The Varnholm lighthouse ({tag}) was built in 1873 by the engineer Ilsa Brandt."),
+            Document(page_content=f"The river Olm ({tag}) freezes every winter, and the ferry stops until March."),
+        ]
+    )
+    llm = ChatKVRag(engine=engine, max_tokens=4)
+    chain = _tutorial_chain(llm, store.as_retriever(search_kwargs={"k": 2}))
+
+    first = chain.invoke(QUESTION)
+    second = chain.invoke(QUESTION)
+
+    assert first.response_metadata["cache_hits"].get("computed", 0) >= 1  # learned, encoded on first sight
+    assert second.response_metadata["reused_tokens"] > 0
+    assert second.response_metadata["cache_hits"].get("computed", 0) == 0
+    streamed = list((chain | StrOutputParser()).stream(QUESTION))  # a streaming run learns and reuses too
+    assert streamed
+
+
+def test_a_dropped_model_stops_learning(engine):
+    llm = ChatKVRag(engine=engine)
+    assert engine in callbacks._handler.engines()
+    del llm
+    gc.collect()
+    assert engine not in callbacks._handler.engines()
+
+
+def test_a_long_prompt_that_reuses_nothing_warns_once(engine, monkeypatch):
+    monkeypatch.setattr(chat_models, "_warned", False)
+    monkeypatch.setattr(chat_models, "_WARN_PROMPT_TOKENS", 20)
+    llm = ChatKVRag(engine=engine, max_tokens=2)
+    text = f"Context: {uuid.uuid4().hex} nobody retrieved or indexed this text.\n\nWho built it?"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        llm.invoke(text)
+        llm.invoke(text)
+        ChatKVRag(engine=engine, max_tokens=2, mode="full").invoke(text)
+    said = [w for w in caught if "held no passage the engine knows" in str(w.message)]
+    assert len(said) == 1 and "as_retriever" in str(said[0].message)
+
+
+def test_short_prompts_and_full_mode_do_not_warn(engine, monkeypatch):
+    monkeypatch.setattr(chat_models, "_warned", False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ChatKVRag(engine=engine, max_tokens=2).invoke("Hello!")
+        long = "Context: " + " ".join(["the ferry stops until March"] * 20) + "\n\nWhen?"
+        ChatKVRag(engine=engine, max_tokens=2, mode="full").invoke(long)
+    assert not [w for w in caught if "ChatKVRag" in str(w.message)]

@@ -1,0 +1,111 @@
+"""Reuse without an extra step (llama_index.llms.kvrag.learning), on a tiny random-weight model:
+LlamaIndex's starter pattern, unchanged but for `llm=KVRagLLM(...)`, reuses KV from the second
+query over the same nodes; the figures reach `Response.metadata` for the built-in synthesizers;
+a synthesis that could reuse nothing says so once."""
+
+import uuid
+import warnings
+
+import pytest
+import torch
+from kvrag import KVEngine
+from llama_index.core import Document, VectorStoreIndex, get_response_synthesizer
+from llama_index.core.schema import NodeWithScore, TextNode
+
+from tiny import tiny_configs, tiny_model, tiny_tokenizer
+
+from llama_index.llms.kvrag import KVRagLLM, default_embed_model, learning
+
+QUESTION = "Who built the lighthouse?"
+
+
+@pytest.fixture(scope="module")
+def embed_model():
+    return default_embed_model()
+
+
+@pytest.fixture
+def tiny_engine(tmp_path) -> KVEngine:
+    tokenizer = tiny_tokenizer()
+    return KVEngine(tiny_model(tiny_configs(len(tokenizer))["llama"]), tokenizer, home=tmp_path, storage_dtype=torch.float32)
+
+
+@pytest.fixture
+def documents() -> list[Document]:
+    tag = uuid.uuid4().hex[:6]  # texts no other test taught an engine
+    return [
+        Document(text=f"The Varnholm lighthouse ({tag}) was built in 1873 by the engineer Ilsa Brandt."),
+        Document(text=f"The river Olm ({tag}) freezes every winter, and the ferry stops until March."),
+    ]
+
+
+@pytest.mark.parametrize("response_mode", ["compact", "tree_summarize"])
+def test_starter_pattern_reuses_from_the_second_query(tiny_engine, documents, embed_model, response_mode):
+    index = VectorStoreIndex.from_documents(documents, embed_model=embed_model)
+    llm = KVRagLLM(engine=tiny_engine, max_new_tokens=4)
+    query_engine = index.as_query_engine(llm=llm, response_mode=response_mode)
+
+    first = query_engine.query(QUESTION)
+    second = query_engine.query(QUESTION)
+
+    assert first.metadata["kvrag"]["cache_hits"].get("computed", 0) >= 1  # learned, encoded on first sight
+    assert second.metadata["kvrag"]["reused_tokens"] > 0
+    assert second.metadata["kvrag"]["cache_hits"].get("computed", 0) == 0
+
+
+def test_async_query_reuses_too(tiny_engine, documents, embed_model):
+    import asyncio
+
+    index = VectorStoreIndex.from_documents(documents, embed_model=embed_model)
+    query_engine = index.as_query_engine(llm=KVRagLLM(engine=tiny_engine, max_new_tokens=4))
+    asyncio.run(query_engine.aquery(QUESTION))
+    second = asyncio.run(query_engine.aquery(QUESTION))
+    assert second.metadata["kvrag"]["reused_tokens"] > 0
+
+
+def test_a_dropped_llm_stops_learning(tiny_engine):
+    llm = KVRagLLM(engine=tiny_engine)
+    assert any(other is llm for other in learning.live_llms())
+    del llm
+    import gc
+
+    gc.collect()
+    assert all(other.engine is not tiny_engine for other in learning.live_llms())
+
+
+def test_a_synthesis_that_reuses_nothing_warns_once(tiny_engine, monkeypatch):
+    monkeypatch.setattr(learning, "_warned", False)
+    synthesizer = get_response_synthesizer(llm=KVRagLLM(engine=tiny_engine, max_new_tokens=2), response_mode="compact")
+    node = NodeWithScore(node=TextNode(text=f"Passage {uuid.uuid4().hex}: nobody retrieved or indexed this text."))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        synthesizer.synthesize(QUESTION, [node])
+        synthesizer.synthesize(QUESTION, [node])
+    said = [w for w in caught if "no prompt of this synthesis held a passage" in str(w.message)]
+    assert len(said) == 1 and "KVPrecompute" in str(said[0].message)
+
+
+def test_full_mode_and_known_passages_do_not_warn(tiny_engine, monkeypatch):
+    monkeypatch.setattr(learning, "_warned", False)
+    text = f"Passage {uuid.uuid4().hex}: the ferry of Olm stops every winter until March."
+    node = NodeWithScore(node=TextNode(text=text))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        full = KVRagLLM(engine=tiny_engine, max_new_tokens=2, mode="full")
+        get_response_synthesizer(llm=full, response_mode="compact").synthesize(QUESTION, [node])
+        tiny_engine.learn([text])
+        block = KVRagLLM(engine=tiny_engine, max_new_tokens=2)
+        get_response_synthesizer(llm=block, response_mode="compact").synthesize(QUESTION, [node])
+    assert not [w for w in caught if "KVRagLLM" in str(w.message)]
+
+
+@pytest.mark.e2e
+def test_starter_pattern_reuses_from_the_second_query_on_the_default_model(documents, embed_model):
+    """As a user meets it: the starter pattern, unchanged but for `llm=KVRagLLM()` (the real default model)."""
+    index = VectorStoreIndex.from_documents(documents, embed_model=embed_model)
+    query_engine = index.as_query_engine(llm=KVRagLLM(max_new_tokens=8))
+    query_engine.query(QUESTION)
+    second = query_engine.query(QUESTION)
+    assert second.metadata["kvrag"]["reused_tokens"] > 0
+    assert second.metadata["kvrag"]["cache_hits"].get("computed", 0) == 0
+    assert "brandt" in str(second).lower()
