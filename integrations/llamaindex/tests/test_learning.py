@@ -103,9 +103,9 @@ def test_full_mode_and_known_passages_do_not_warn(tiny_engine, monkeypatch):
 def test_starter_pattern_reuses_from_the_second_query_on_the_default_model(documents, embed_model):
     """As a user meets it: the starter pattern, unchanged but for `llm=KVRagLLM()` (the real default model)."""
     index = VectorStoreIndex.from_documents(documents, embed_model=embed_model)
-    query_engine = index.as_query_engine(llm=KVRagLLM(max_new_tokens=8))
+    query_engine = index.as_query_engine(llm=KVRagLLM(max_new_tokens=24))
     query_engine.query(QUESTION)
     second = query_engine.query(QUESTION)
     assert second.metadata["kvrag"]["reused_tokens"] > 0
     assert second.metadata["kvrag"]["cache_hits"].get("computed", 0) == 0
-    assert "brandt" in str(second).lower()
+    assert "ilsa brandt" in str(second).lower()
