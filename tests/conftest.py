@@ -33,3 +33,19 @@ def default_engine(kvrag_home):
     from kvrag import KVEngine
 
     return KVEngine.shared()
+
+
+@pytest.fixture
+def engine(make_engine):
+    """The harness tests' engine: a tiny Llama."""
+    return make_engine("llama")
+
+
+@pytest.fixture(scope="module")
+def examples():
+    """Generated questions, their passages cut to fit the tiny models' context window."""
+    from dataclasses import replace
+
+    from kvrag.eval import data
+
+    return [replace(e, passages=tuple(p[:150] for p in e.passages)) for e in data.generate("dev", 4, passages=5)]

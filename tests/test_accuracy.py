@@ -9,23 +9,11 @@ import pytest
 
 from kvrag import KVRagError
 from kvrag.app.cli import main
-from kvrag.eval import data
 from kvrag.eval.accuracy import (METHODS, RUNNERS, Record, against_full, evaluate, flops_generation, format_against_full,
                                  format_table, plot, summarize)
 from kvrag.eval.ttft import flops_to_first_token, layer_flops
 
 PNG = b"\x89PNG\r\n\x1a\n"
-
-
-@pytest.fixture
-def engine(make_engine):
-    return make_engine("llama")
-
-
-@pytest.fixture(scope="module")
-def examples():
-    """Generated questions, their passages cut to fit the tiny models' context window."""
-    return [replace(e, passages=tuple(p[:150] for p in e.passages)) for e in data.generate("dev", 4, passages=5)]
 
 
 def test_every_method_answers_every_question(engine, examples, tmp_path):

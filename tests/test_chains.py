@@ -1,23 +1,11 @@
 """The MapReduce / MapRerank baselines: one call per passage on a tiny model, the note filter, and
 map-rerank's replies (the answer and the 0-100 score, however loosely a model follows the format)."""
 
-from dataclasses import replace
 
 import pytest
 
-from kvrag.eval import chains, data
+from kvrag.eval import chains
 from kvrag.eval.chains import ScoredAnswer, best_answer, parse_scored_answer, rerank
-
-
-@pytest.fixture
-def engine(make_engine):
-    return make_engine("llama")
-
-
-@pytest.fixture(scope="module")
-def examples():
-    """Generated questions, their passages cut to fit the tiny models' context window."""
-    return [replace(e, passages=tuple(p[:150] for p in e.passages)) for e in data.generate("dev", 4, passages=5)]
 
 
 def test_map_reduce_and_map_rerank_call_once_per_passage(engine, examples):
