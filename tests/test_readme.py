@@ -1,5 +1,6 @@
 """The README is a newcomer's path: its set-up commands are the two that CI runs, every Python
-snippet in it and in docs/ runs as written, and its links lead somewhere.
+snippet in it and in docs/ runs as written (the README's answering its questions right, in block
+mode), and its links lead somewhere.
 
 Snippets run in this process, each in a fresh namespace, from the repository root, with the
 session's KVRAG_HOME (the root conftest). Those that load the real default model are marked e2e.
@@ -17,6 +18,14 @@ README = ROOT / "README.md"
 DOCS = sorted((ROOT / "docs").glob("*.md"))
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.MULTILINE | re.DOTALL)
 LOADS_MODEL = ("KVEngine", "ChatKVRag", "KVRagVectorStore", "KVRagLLM")  # what builds an engine
+# Every question the README's snippets ask, and the answer their passages hold: a newcomer's first
+# answers must be right, in block mode (the snippets' default) and in the snippets' other modes alike.
+ANSWERS = {
+    "Who built the Glimmerhook Lighthouse?": "Maren Solvik",
+    "What is the capital of Orvanne?": "Saltmere",
+    "Who is the head keeper of the Hallow Archive?": "Thornbury",
+}
+QUESTION = re.compile(r"[A-Z][\w ']+\?")
 
 
 def snippets(path: Path, language: str) -> list[tuple[int, str]]:
@@ -47,7 +56,12 @@ def test_python_snippet_runs(path, line, code, monkeypatch, capsys):
     finally:
         namespace.clear()  # the snippet's engine goes before the next snippet loads its own
         gc.collect()
-    assert capsys.readouterr().out.strip(), "the snippet printed nothing"
+    out = capsys.readouterr().out
+    assert out.strip(), "the snippet printed nothing"
+    if path == README:
+        for question in sorted(set(QUESTION.findall(code))):
+            assert question in ANSWERS, f"add the answer to {question!r} to ANSWERS"
+            assert ANSWERS[question].lower() in out.lower(), (question, out)
 
 
 def test_the_results_file_reproduces_the_accuracy_tables(monkeypatch, capsys):
