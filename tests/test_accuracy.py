@@ -89,8 +89,8 @@ def test_gap_to_full_is_paired_per_question_with_an_interval():
     answers = {"full": [True, True, False, False], "block": [False, False, False, False], "blend": [True, True, False, True]}
     records = [_record(m, "single", c, ttft=i) for m, cs in answers.items() for i, c in enumerate(cs)]  # id: question i
     records.append(_record("block", "single", True, ttft=9))  # no full answer: left out
-    (block, n, diff, half), (blend, _, blend_diff, _) = against_full(records)
-    assert (block, n, diff, blend, blend_diff) == ("block", 4, -0.5, "blend", 0.25)
+    (layout, block, n, diff, half), (_, blend, _, blend_diff, _) = against_full(records)
+    assert (layout, block, n, diff, blend, blend_diff) == ("kvrag", "block", 4, -0.5, "blend", 0.25)
     assert half == pytest.approx(1.96 * (1 / 3) ** 0.5 / 2)  # differences -1, -1, 0, 0: sample sd sqrt(1/3)
     assert format_against_full(records).splitlines()[0] == "block - full: -50.0 ± 56.6 points (95% interval, 4 paired questions)"
     assert format_against_full([r for r in records if r.method != "full"]) == ""
@@ -131,3 +131,18 @@ def test_bench_accuracy_smoke_on_the_default_model(kvrag_home, tmp_path, capsys)
     records = [json.loads(line) for line in results.read_text().splitlines()[1:]]
     assert len(records) == 4 * len(METHODS)
     assert all(r["ttft"] > 0 and 0 <= r["f1"] <= 1 for r in records)
+
+
+@pytest.mark.e2e
+def test_bench_accuracy_in_the_layouts_of_real_apps_on_the_default_model(kvrag_home, tmp_path, capsys):
+    results = tmp_path / "layouts.jsonl"
+    argv = ["bench", "accuracy", "--limit", "2", "--passages", "5", "--max-new-tokens", "6", "--prose", "1",
+            "--prompts", "kvrag,langchain-rag-prompt,numbered", "--results", str(results), "--plot", ""]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    rows = [line.strip("| ").split(" | ") for line in out.splitlines() if line.startswith("| ") and "| method |" not in line]
+    assert [row[:3] for row in rows] == [[layout, method, "2"] for layout in ("kvrag", "langchain-rag-prompt", "numbered")
+                                         for method in ("full", "block", "blend")]
+    assert "[langchain-rag-prompt] block - full: " in out and "100% in prose" in out
+    records = [json.loads(line) for line in results.read_text().splitlines()[1:]]
+    assert len(records) == 2 * 3 * 3 and {r["layout"] for r in records} == {"kvrag", "langchain-rag-prompt", "numbered"}

@@ -48,7 +48,8 @@ def test_every_option_has_help_text_and_shows_its_default():
                    "--block-context {none,prefix}", "(default: none)"]),
         (["index"], ["longest passage in tokens (default: 200)", "--block-context {none,prefix}", "(default: none)"]),
         ([], ["--block-context {none,prefix}", "(default: none)", "--adapter-scope {block,all}", "(default: block)"]),
-        (["bench", "accuracy"], ["(default: full,map_reduce,map_rerank,block,blend,composite)", "needs matplotlib"]),
+        (["bench", "accuracy"], ["(default: full,map_reduce,map_rerank,block,blend,composite; in other prompt layouts "
+                                  "full,block,blend)", "needs matplotlib", "or 'all': kvrag, langchain-rag-prompt"]),
         (["finetune"], ["optimizer steps (default: 170)", "peak learning rate (default: 0.0005)"]),
         (["kernels"], ["build", "status"]),
     ],
@@ -92,10 +93,12 @@ def test_neither_import_kvrag_nor_help_loads_the_harness_or_matplotlib():
 
 
 def test_the_defaults_written_in_the_cli_are_the_harness_defaults():
-    from kvrag.eval.accuracy import EXTRA_METHODS, METHODS, RUNNERS
+    from kvrag.eval.accuracy import EXTRA_METHODS, METHODS, MODE_METHODS, RUNNERS
+    from kvrag.eval.layouts import NAMES
     from kvrag.train.finetune import TrainConfig
 
     assert cli.BENCH_METHODS == METHODS and cli.BENCH_EXTRA_METHODS == EXTRA_METHODS
+    assert cli.BENCH_LAYOUTS == NAMES and set(cli.LAYOUT_METHODS) <= set(MODE_METHODS)
     assert set(RUNNERS) == set(METHODS + EXTRA_METHODS)
     trained = asdict(TrainConfig())
     assert cli.TRAIN_DEFAULTS == {key: trained[key] for key in cli.TRAIN_DEFAULTS}
@@ -104,7 +107,9 @@ def test_the_defaults_written_in_the_cli_are_the_harness_defaults():
 @pytest.mark.parametrize(
     "args, message",
     [(["--methods", "full,stuffing"], "unknown method"), (["--passages", "40"], "between 5 and 30"),
-     (["--limit", "0"], "n must be")],
+     (["--limit", "0"], "n must be"), (["--prompts", "kvrag,chatml"], "unknown prompt layout(s) ['chatml']"),
+     (["--prompts", "all", "--methods", "block,map_reduce"], "map_reduce write their own prompts"),
+     (["--prose", "2"], "prose must be between 0 and 1")],
 )
 def test_bench_accuracy_rejects_bad_arguments_before_loading_anything(args, message, capsys, monkeypatch):
     monkeypatch.setattr("kvrag.app.cli._engine", lambda args: pytest.fail("loaded a model"))

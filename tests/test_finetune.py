@@ -10,6 +10,7 @@ from tiny import block_mask, tiny_configs, tiny_model
 
 from kvrag import KVEngine, attention
 from kvrag.eval.accuracy import _settings
+from kvrag.eval.layouts import LAYOUTS
 from kvrag.train import finetune as ft
 from kvrag.train.finetune import TrainConfig, block_index, block_lengths, encode, loss, train
 
@@ -56,6 +57,32 @@ def test_training_sees_what_block_mode_computes(make_engine, arch):
     assert plain.lengths == [len(plain.ids)]
     torch.testing.assert_close(_forward(engine.model, plain)[question], question_logits(engine, prompt, "full"),
                                rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("layout", ["langchain-rag-prompt", "numbered"])
+def test_training_in_an_apps_layout_sees_what_block_mode_computes_on_that_prompt(make_engine, layout):
+    """Asked in another layout, the example is the rendered prompt cut as the drop-in path cuts it:
+    with the question first, the passages are trained not to see it, as in block mode."""
+    engine = make_engine("llama")
+    example = encode(engine, QUESTION, PASSAGES, ANSWER, layout=layout)
+    prompt, _ = engine.prompt_from_text(*LAYOUTS[layout].render(engine, QUESTION, PASSAGES))
+    assert example.ids[: len(prompt)] == prompt.ids() and len(example.lengths) == 1 + len(prompt.blocks) + 1
+    assert (QUESTION in engine.tokenizer.decode(prompt.prefix)) == LAYOUTS[layout].question_first
+    question = slice(len(prompt) - len(prompt.question), len(prompt))
+    torch.testing.assert_close(_forward(engine.model, example)[question], question_logits(engine, prompt, "block"),
+                               rtol=1e-4, atol=1e-4)
+
+
+def test_training_examples_draw_a_layout_each_and_keep_the_attention_draws(make_engine):
+    engine = make_engine("llama")
+    qa = [type("QA", (), {"question": QUESTION, "passages": PASSAGES, "target": ANSWER})()] * 12
+    own = ft.training_examples(engine, qa, full_attention_share=0.5, seed=3)
+    mixed = ft.training_examples(engine, qa, full_attention_share=0.5, seed=3, layouts=["kvrag", "numbered"])
+    assert [len(e.lengths) == 1 for e in mixed] == [len(e.lengths) == 1 for e in own]
+    layouts = {tuple(e.ids) for e in mixed}
+    assert len(layouts) == 2 and {tuple(e.ids) for e in own} < layouts
+    with pytest.raises(ValueError, match="unknown prompt layout"):
+        ft.training_examples(engine, qa, layouts=["chatml"])
 
 
 def test_loss_counts_only_the_answer(make_engine):

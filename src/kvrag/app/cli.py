@@ -21,6 +21,11 @@ BENCH_METHODS = ("full", "map_reduce", "map_rerank", "block", "blend", "composit
 """kvrag.eval.accuracy.METHODS: what `bench accuracy` runs by default."""
 BENCH_EXTRA_METHODS = ("prefix", "blend_values")
 """kvrag.eval.accuracy.EXTRA_METHODS: what it runs when asked by name."""
+BENCH_LAYOUTS = ("kvrag", "langchain-rag-prompt", "rag-prompt-question-last", "langchain-system-context", "llamaindex-text-qa", "llamaindex-chat-qa",
+                 "numbered", "separated")
+"""kvrag.eval.layouts.NAMES: the prompt layouts `bench accuracy --prompts` can ask in."""
+LAYOUT_METHODS = ("full", "block", "blend")
+"""What `bench accuracy` runs by default in other prompt layouts than kvrag's own."""
 TRAIN_DEFAULTS = {"steps": 170, "learning_rate": 5e-4, "accumulate": 4, "lora_r": 8, "save_every": 25, "distill": 0.0}
 """kvrag.train.finetune.TrainConfig's defaults for the settings `finetune` exposes."""
 
@@ -153,21 +158,33 @@ def _check_plotting(args) -> None:
                          "or pass --plot '' to skip the plot")
 
 
+def _layouts(prompts: str) -> list[str]:
+    return list(BENCH_LAYOUTS) if prompts == "all" else [p.strip() for p in prompts.split(",") if p.strip()]
+
+
 def cmd_bench_accuracy(args):
     _check_plotting(args)
     from kvrag.eval import data
     from kvrag.eval.accuracy import check_methods, evaluate, format_against_full, format_table, plot, summarize
 
-    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    check_methods(methods)
+    layouts = _layouts(args.prompts)
+    own = layouts == ["kvrag"]
+    methods = args.methods or ",".join(BENCH_METHODS if own else LAYOUT_METHODS)
+    methods = [m.strip() for m in methods.split(",") if m.strip()]
+    check_methods(methods, layouts)
     dataset = {"split": args.split, "passages": args.passages, "noise": args.noise, "seed": args.seed}
+    if args.prose:  # absent at 0, so that results files written before the option resume
+        dataset["prose"] = args.prose
     examples = data.generate(n=args.limit, **dataset)
     engine = _engine(args)
+    prose = f"-prose{args.prose}" if args.prose else ""
     results = Path(args.results) if args.results else _home(args) / "bench" / (
-        f"accuracy-{engine.fingerprint[:12]}-{args.split}-{args.passages}p-noise{args.noise}-seed{args.seed}.jsonl"
+        f"accuracy-{engine.fingerprint[:12]}-{args.split}-{args.passages}p-noise{args.noise}-seed{args.seed}{prose}.jsonl"
     )
-    records = evaluate(engine, examples, methods, max_new_tokens=args.max_new_tokens, results=results, dataset=dataset)
-    print(f"\n{len(examples)} {args.split} questions x {args.passages} passages (noise {args.noise}, seed {args.seed}); "
+    records = evaluate(engine, examples, methods, layouts=layouts, max_new_tokens=args.max_new_tokens, results=results,
+                       dataset=dataset)
+    print(f"\n{len(examples)} {args.split} questions x {args.passages} passages (noise {args.noise}, seed {args.seed}"
+          f"{f', {args.prose:.0%} in prose' if args.prose else ''}); "
           "accuracy (%) per question type: a gold answer appears in the output")
     print(format_table(summarize(records)))
     if gaps := format_against_full(records):
@@ -192,14 +209,17 @@ def cmd_finetune(args):
     dataset = {"split": "train", "n": args.questions, "passages": args.passages, "noise": args.noise, "seed": args.seed,
                "prose": args.prose}
     questions = with_unanswerable_share(data.generate(**dataset), args.unanswerable_share)
+    layouts = _layouts(args.prompts)
     engine = _engine(args)
-    examples = training_examples(engine, questions, config.full_attention_share, config.seed)
+    examples = training_examples(engine, questions, config.full_attention_share, config.seed, layouts)
     if torch.cuda.is_available():
         engine.model.to("cuda")
     print(f"fine-tuning on {len(examples)} generated train questions x {args.passages} passages "
           f"({args.unanswerable_share:.0%} unanswerable), "
           f"{'every weight' if args.full else f'LoRA r={args.lora_r}'}, {args.steps} steps of {args.accumulate} examples")
     about = {"dataset": dataset, "unanswerable_share": args.unanswerable_share, "model": args.model or "default"}
+    if layouts != ["kvrag"]:
+        about["layouts"] = layouts
     final = train(engine, examples, args.out, config, about=about, scale=args.adapter_scale)
     print(f"saved {final}; use it with KVEngine.from_pretrained(..., adapter={str(final)!r})")
 
@@ -301,6 +321,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--noise", type=float, default=0.5, help="share of distractors drawn from any entity; the rest are hard")
     p.add_argument("--prose", type=float, default=0.5,
                    help="share of train-split passages rewritten as connected prose, with questions in other words")
+    p.add_argument("--prompts", default="kvrag",
+                   help=f"comma-separated prompt layouts the examples are asked in, drawn in turn, or 'all': "
+                   f"{', '.join(BENCH_LAYOUTS)}")
     p.add_argument("--unanswerable-share", type=float, default=0.05,
                    help="share of questions no passage answers (at most 0.25, what the generator makes)")
     p.add_argument("--steps", type=int, default=TRAIN_DEFAULTS["steps"], help="optimizer steps")
@@ -337,8 +360,11 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--passages", type=int, default=10, help="passages per question (5-30)")
     b.add_argument("--noise", type=float, default=0.5, help="share of distractors drawn from any entity; the rest are hard")
     b.add_argument("--seed", type=int, default=0, help="seed of the generated questions")
-    b.add_argument("--methods", default=",".join(BENCH_METHODS),
-                   help=f"comma-separated, from {', '.join(BENCH_METHODS + BENCH_EXTRA_METHODS)}")
+    b.add_argument("--methods", help=f"comma-separated, from {', '.join(BENCH_METHODS + BENCH_EXTRA_METHODS)} "
+                   f"(default: {','.join(BENCH_METHODS)}; in other prompt layouts {','.join(LAYOUT_METHODS)})")
+    b.add_argument("--prompts", default="kvrag",
+                   help=f"comma-separated prompt layouts to ask in, or 'all': {', '.join(BENCH_LAYOUTS)}")
+    b.add_argument("--prose", type=float, default=0.0, help="share of the world's passages written as connected prose")
     b.add_argument("--max-new-tokens", type=int, default=32, help="longest answer in tokens")
     b.add_argument("--results", help="JSON-lines file of answers; a rerun resumes it (default: under the cache directory)")
     b.add_argument("--plot", help="PNG to write, needs matplotlib (default: next to the results; '' for none)")

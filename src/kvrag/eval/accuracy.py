@@ -21,6 +21,7 @@ from kvrag import BlendConfig, KVRagError
 
 from . import chains
 from .data import QUESTION_TYPES, QAExample
+from .layouts import LAYOUTS, OWN, check_layouts
 from .metrics import answer_in_output, token_f1
 from .ttft import flops_blend, flops_to_first_token, layer_flops
 
@@ -44,6 +45,7 @@ class Record:
     total_time: float
     flops: float
     prompt_tokens: int
+    layout: str = OWN  # the prompt layout (kvrag.eval.layouts) the question was asked in
 
 
 @dataclass
@@ -62,13 +64,18 @@ def flops_generation(config, prompt_tokens: int, generated: int) -> float:
 
 
 def _mode(mode: str, blend: BlendConfig | None = None) -> Callable:
-    def run(engine, example: QAExample, max_new_tokens: int) -> Answer:
-        r = engine.generate(example.question, list(example.passages), mode=mode, max_new_tokens=max_new_tokens, blend=blend)
+    def run(engine, example: QAExample, max_new_tokens: int, layout: str = OWN) -> Answer:
+        options = {"mode": mode, "max_new_tokens": max_new_tokens, "blend": blend}
+        if layout == OWN:
+            r = engine.generate(example.question, list(example.passages), **options)
+            question = len(engine.layout.question_ids(example.question))
+        else:  # the drop-in path: rendered text, its passages found by content
+            text, _ = LAYOUTS[layout].render(engine, example.question, example.passages)
+            r = engine.generate_text(text, **options)
+            question = len(engine.prompt_from_text(text)[0].question)
         config = engine.model.config
         if mode == "blend":
-            question = len(engine.layout.question_ids(example.question))
-            context = r.prompt_tokens - question
-            flops = flops_blend(config, context, question, r.prefilled_tokens - question)
+            flops = flops_blend(config, r.prompt_tokens - question, question, r.prefilled_tokens - question)
         else:
             flops = flops_to_first_token(config, r.prefilled_tokens, r.prompt_tokens - r.prefilled_tokens)
         return Answer(r.text.strip(), r.ttft, r.total_time, flops, r.prompt_tokens)
@@ -104,10 +111,19 @@ RUNNERS: dict[str, Callable] = {
 }
 
 
-def check_methods(methods: Sequence[str]) -> None:
+MODE_METHODS = ("full", "block", "blend", "composite", "prefix", "blend_values")
+"""The methods that answer from one prompt, so that any prompt layout applies; the chains write their own."""
+
+
+def check_methods(methods: Sequence[str], layouts: Sequence[str] = (OWN,)) -> None:
     unknown = [m for m in methods if m not in RUNNERS]
     if unknown or not methods:
         raise ValueError(f"unknown method(s) {unknown or methods}; choose from {', '.join(RUNNERS)}")
+    check_layouts(layouts)
+    chains = [m for m in methods if m not in MODE_METHODS]
+    if chains and any(layout != OWN for layout in layouts):
+        raise ValueError(f"{', '.join(chains)} write their own prompts, so they answer in kvrag's layout only; "
+                         f"with other prompt layouts choose from {', '.join(MODE_METHODS)}")
 
 
 def _settings(engine, max_new_tokens: int, dataset: dict | None) -> dict:
@@ -118,7 +134,7 @@ def _settings(engine, max_new_tokens: int, dataset: dict | None) -> dict:
     return json.loads(json.dumps(settings))  # as read back from the file: tuples become lists
 
 
-def _load(path: Path, settings: dict) -> dict[tuple[str, str], Record]:
+def _load(path: Path, settings: dict) -> dict[tuple[str, str, str], Record]:
     """Records already in `path`, written with the same settings; a half-written last line is dropped."""
     if not path.exists() or path.stat().st_size == 0:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -141,7 +157,7 @@ def _load(path: Path, settings: dict) -> dict[tuple[str, str], Record]:
                 raise KVRagError(f"{path}:{n} is not a result record") from None
             path.write_text("\n".join(lines[:-1]) + "\n")  # interrupted while writing: run that answer again
             break
-        done[record.method, record.id] = record
+        done[record.layout, record.method, record.id] = record
     return done
 
 
@@ -150,53 +166,56 @@ def evaluate(
     examples: Sequence[QAExample],
     methods: Sequence[str] = METHODS,
     *,
+    layouts: Sequence[str] = (OWN,),
     max_new_tokens: int = 32,
     results: str | Path | None = None,
     dataset: dict | None = None,
     progress: bool = True,
 ) -> list[Record]:
-    """Every method's answer to every example, grouped by method. `results`, a JSON-lines file, keeps
-    them across runs: a later run with the same model, settings and `dataset` description (how the
-    examples were made) only computes what is missing."""
-    check_methods(methods)
+    """Every method's answer to every example in every prompt layout, grouped by layout and method.
+    `results`, a JSON-lines file, keeps them across runs: a later run with the same model, settings
+    and `dataset` description (how the examples were made) only computes what is missing."""
+    check_methods(methods, layouts)
     settings = _settings(engine, max_new_tokens, dataset)
     path = Path(results) if results else None
     done = _load(path, settings) if path else {}
     engine.index(sorted({p for e in examples for p in e.passages}), progress=progress)
     if examples:  # warm-up: buffers and allocator, outside the timings
         engine.generate(examples[0].question, list(examples[0].passages), mode="block", max_new_tokens=2)
-    bar = tqdm(total=len(examples) * len(methods), desc="kvrag: answering", unit="answer", disable=not progress)
+    runs = [(layout, method) for layout in layouts for method in methods]
+    bar = tqdm(total=len(examples) * len(runs), desc="kvrag: answering", unit="answer", disable=not progress)
     records = []
     for i, example in enumerate(examples):
-        order = [methods[(i + j) % len(methods)] for j in range(len(methods))]
-        for method in order:
-            record = done.get((method, example.id))
+        for layout, method in runs[i % len(runs):] + runs[: i % len(runs)]:
+            record = done.get((layout, method, example.id))
             if record is not None and record.question != example.question:
                 raise KVRagError(f"{path} answers other questions under the same ids ({example.id}); use another results file")
             if record is None:
-                a = RUNNERS[method](engine, example, max_new_tokens)
+                run = RUNNERS[method]
+                a = run(engine, example, max_new_tokens) if layout == OWN else run(engine, example, max_new_tokens, layout)
                 correct = answer_in_output(a.text, example.answers, example.wrong)
                 record = Record(method, example.id, example.type, example.question, a.text, correct, token_f1(a.text, example.answers),
-                                a.ttft, a.total_time, a.flops, a.prompt_tokens)
+                                a.ttft, a.total_time, a.flops, a.prompt_tokens, layout)
                 if path:
                     with path.open("a", encoding="utf-8") as f:
                         f.write(json.dumps(asdict(record)) + "\n")
             records.append(record)
             bar.update()
     bar.close()
-    order = {m: k for k, m in enumerate(methods)}
-    return sorted(records, key=lambda r: order[r.method])
+    order = {run: k for k, run in enumerate(runs)}
+    return sorted(records, key=lambda r: order[r.layout, r.method])
 
 
 def summarize(records: Sequence[Record]) -> list[dict]:
-    """A row per method (in first-seen order): accuracy per question type and on average, F1, median
-    TTFT and total time, mean FLOPs to first token, and the TTFT speed-up over `full` where it ran."""
-    by_method: dict[str, list[Record]] = {}
+    """A row per layout and method (in first-seen order): accuracy per question type and on average,
+    F1, median TTFT and total time, mean FLOPs to first token, and the TTFT speed-up over `full` in
+    the same layout where it ran."""
+    by_run: dict[tuple[str, str], list[Record]] = {}
     for r in records:
-        by_method.setdefault(r.method, []).append(r)
+        by_run.setdefault((r.layout, r.method), []).append(r)
     rows = []
-    for method, rs in by_method.items():
-        row = {"method": method, "questions": len(rs)}
+    for (layout, method), rs in by_run.items():
+        row = {"layout": layout, "method": method, "questions": len(rs)}
         for kind in QUESTION_TYPES:
             of_kind = [r.correct for r in rs if r.type == kind]
             row[kind] = sum(of_kind) / len(of_kind) if of_kind else None
@@ -206,43 +225,48 @@ def summarize(records: Sequence[Record]) -> list[dict]:
         row["total_time"] = statistics.median(r.total_time for r in rs)
         row["flops"] = statistics.fmean(r.flops for r in rs)
         rows.append(row)
-    full = next((row["ttft"] for row in rows if row["method"] == "full"), None)
+    full = {row["layout"]: row["ttft"] for row in rows if row["method"] == "full"}
     for row in rows:
-        row["speedup"] = full / row["ttft"] if full else None
+        row["speedup"] = full[row["layout"]] / row["ttft"] if row["layout"] in full else None
     return rows
 
 
-def against_full(records: Sequence[Record]) -> list[tuple[str, int, float, float]]:
-    """Each method's accuracy minus full's on the questions both answered, with the half-width of its
-    95% interval: (method, questions, difference, half-width). Paired per question (normal
-    approximation), because a few hundred questions leave a gap of a few points inside the noise."""
-    full = {r.id: r.correct for r in records if r.method == "full"}
-    by_method: dict[str, list[int]] = {}
+def against_full(records: Sequence[Record]) -> list[tuple[str, str, int, float, float]]:
+    """Each method's accuracy minus full's in the same layout on the questions both answered, with the
+    half-width of its 95% interval: (layout, method, questions, difference, half-width). Paired per
+    question (normal approximation), because a few hundred questions leave a gap of a few points
+    inside the noise."""
+    full = {(r.layout, r.id): r.correct for r in records if r.method == "full"}
+    by_run: dict[tuple[str, str], list[int]] = {}
     for r in records:
-        if r.method != "full" and r.id in full:
-            by_method.setdefault(r.method, []).append(int(r.correct) - int(full[r.id]))
+        if r.method != "full" and (r.layout, r.id) in full:
+            by_run.setdefault((r.layout, r.method), []).append(int(r.correct) - int(full[r.layout, r.id]))
     gaps = []
-    for method, diffs in by_method.items():
+    for (layout, method), diffs in by_run.items():
         half = 1.96 * statistics.stdev(diffs) / len(diffs) ** 0.5 if len(diffs) > 1 else math.inf
-        gaps.append((method, len(diffs), statistics.fmean(diffs), half))
+        gaps.append((layout, method, len(diffs), statistics.fmean(diffs), half))
     return gaps
 
 
 def format_against_full(records: Sequence[Record]) -> str:
-    """`against_full` as lines of text, in points."""
-    return "\n".join(f"{method} - full: {100 * diff:+.1f} ± {100 * half:.1f} points (95% interval, {n} paired questions)"
-                     for method, n, diff, half in against_full(records))
+    """`against_full` as lines of text, in points (the layout named where it is not kvrag's own)."""
+    return "\n".join(f"{'' if layout == OWN else f'[{layout}] '}{method} - full: {100 * diff:+.1f} ± {100 * half:.1f} "
+                     f"points (95% interval, {n} paired questions)" for layout, method, n, diff, half in against_full(records))
 
 
 def format_table(rows: Sequence[dict]) -> str:
-    """The summary as a Markdown table (accuracy in %, TTFT in ms)."""
+    """The summary as a Markdown table (accuracy in %, TTFT in ms), with a prompt-layout column when
+    any row is in another layout than kvrag's own."""
     pct = lambda v: "-" if v is None else f"{100 * v:.1f}"  # noqa: E731
+    layouts = any(row.get("layout", OWN) != OWN for row in rows)
     head = ["method", "n", *QUESTION_TYPES, "average", "F1", "TTFT ms", "total s", "TTFT vs full", "GFLOPs to 1st token"]
+    head = ["prompt", *head] if layouts else head
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in rows:
         cells = [row["method"], str(row["questions"]), *(pct(row[k]) for k in QUESTION_TYPES), pct(row["accuracy"]),
                  pct(row["f1"]), f"{row['ttft'] * 1e3:.0f}", f"{row['total_time']:.2f}",
                  "-" if row["speedup"] is None else f"{row['speedup']:.1f}x", f"{row['flops'] / 1e9:.1f}"]
+        cells = [row.get("layout", OWN), *cells] if layouts else cells
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -260,11 +284,12 @@ def plot(records: Sequence[Record], path: str | Path) -> Path:
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.8))
     for k, row in enumerate(rows):
         point = (row["ttft"] * 1e3, 100 * row["accuracy"])
+        label = row["method"] if row["layout"] == OWN else f"{row['method']} ({row['layout']})"
         left.scatter(*point, s=50)
         # methods often land close together: alternate the label above and below its point
-        left.annotate(row["method"], point, textcoords="offset points", xytext=(6, 5 if k % 2 else -12))
-        own = [r for r in records if r.method == row["method"]]
-        right.scatter([r.prompt_tokens for r in own], [r.ttft * 1e3 for r in own], s=8, alpha=0.6, label=row["method"])
+        left.annotate(label, point, textcoords="offset points", xytext=(6, 5 if k % 2 else -12))
+        own = [r for r in records if (r.layout, r.method) == (row["layout"], row["method"])]
+        right.scatter([r.prompt_tokens for r in own], [r.ttft * 1e3 for r in own], s=8, alpha=0.6, label=label)
     left.set(xscale="log", xlabel="median time to first token (ms, log)", ylabel="accuracy (%)",
              title="Accuracy against time to first token")
     right.set(xscale="log", yscale="log", xlabel="prompt tokens the method reads (log)", ylabel="TTFT (ms, log)",

@@ -15,9 +15,9 @@ Every answer appears in a gold passage and in no distractor; the value behind an
 question appears in no passage at all. The train, dev and test splits are separate worlds whose
 names come from disjoint parts of one pool, so no entity is shared.
 
-For training, ``prose`` rewrites a share of the passages as connected prose (several facts to a
-sentence, references back, one fact outside the fourteen templates) and asks their questions in
-other words too; the evaluation splits keep the plain passages.
+``prose`` rewrites a share of the passages as connected prose (several facts to a sentence,
+references back, one fact outside the fourteen templates) and asks their questions in other words
+too: part of the training data, and, on the test split, a held-out world of prose to evaluate on.
 """
 
 import itertools
@@ -87,7 +87,7 @@ class _Entity:
     facts: dict
     withheld: str | None = None
     passage: str = ""
-    prose: bool = False  # written as connected prose (training data only, see `generate`)
+    prose: bool = False  # written as connected prose (see `generate`)
 
 
 # ---- names ------------------------------------------------------------------------------------------
@@ -476,8 +476,8 @@ def generate(split: str = "test", n: int = 200, passages: int = 10, noise: float
     as the one asked about, which state the same kinds of facts. Same arguments, same questions.
 
     `prose`: the share of entities whose passage is rewritten as connected prose, with one more fact
-    and their questions asked in other words. Meant for training data; the facts, and every other
-    passage, are the same as without it.
+    and their questions asked in other words; the facts, and every other passage, are the same as
+    without it.
     """
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")

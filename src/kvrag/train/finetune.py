@@ -28,6 +28,7 @@ from tqdm.auto import tqdm
 from transformers import get_linear_schedule_with_warmup
 
 from kvrag import attention
+from kvrag.eval.layouts import LAYOUTS, OWN, check_layouts
 from kvrag.prompt import Prompt
 
 IGNORE = -100  # label of tokens the loss skips
@@ -59,14 +60,20 @@ class TrainingExample:
         return attention.mask(positions, len(self.ids), dtype, blocks=block_index(self.lengths, device))
 
 
-def encode(engine, question: str, passages: Sequence[str], answer: str, *, full_attention: bool = False) -> TrainingExample:
-    """The prompt block mode would answer `question` from, then `answer` and the end-of-turn token."""
+def encode(engine, question: str, passages: Sequence[str], answer: str, *, full_attention: bool = False,
+           layout: str = OWN) -> TrainingExample:
+    """The prompt block mode would answer `question` from, asked in `layout` (kvrag.eval.layouts),
+    then `answer` and the end-of-turn token."""
     if engine.block_context != "none":
         raise ValueError(
             "block fine-tuning needs block_context='none': with 'prefix' a block is encoded at a canonical "
             "distance from the prefix, which one pass with contiguous positions cannot reproduce"
         )
-    prompt, _ = engine.build_prompt(question, list(passages))
+    if layout == OWN:
+        prompt, _ = engine.build_prompt(question, list(passages))
+    else:  # cut as the drop-in path cuts it: text before the first passage is the prefix, between them blocks
+        check_layouts([layout])
+        prompt, _ = engine.prompt_from_text(*LAYOUTS[layout].render(engine, question, passages))
     eos = engine.tokenizer.eos_token_id
     answer_ids = engine.layout.encode(answer.strip()) + ([eos] if eos is not None else [])
     ids = prompt.ids() + answer_ids
@@ -96,11 +103,16 @@ def with_unanswerable_share(qa_examples, share: float) -> list:
     return [q for q in qa_examples if id(q) in kept]
 
 
-def training_examples(engine, qa_examples, full_attention_share: float = 0.0, seed: int = 0) -> list[TrainingExample]:
+def training_examples(engine, qa_examples, full_attention_share: float = 0.0, seed: int = 0,
+                      layouts: Sequence[str] = (OWN,)) -> list[TrainingExample]:
     """Generated questions (kvrag.eval.data) as training examples whose answers are their short sentences;
-    a share of them, drawn by `seed`, with plain causal attention."""
-    draw = random.Random(seed)
-    return [encode(engine, q.question, q.passages, q.target, full_attention=draw.random() < full_attention_share)
+    a share of them, drawn by `seed`, with plain causal attention, each asked in one of `layouts`
+    (kvrag.eval.layouts), drawn in turn from a generator of its own so that the attention draws stay
+    those of a single-layout run."""
+    check_layouts(layouts)
+    draw, pick = random.Random(seed), random.Random(f"kvrag-layouts:{seed}")
+    return [encode(engine, q.question, q.passages, q.target, full_attention=draw.random() < full_attention_share,
+                   layout=layouts[0] if len(layouts) == 1 else pick.choice(layouts))
             for q in qa_examples]
 
 

@@ -132,3 +132,20 @@ def test_timeout_ends_generation_early(engine):
     result = slow.invoke("Tell me a long story.")
     assert result.response_metadata["finish_reason"] == "timeout"
     assert result.usage_metadata["output_tokens"] == 1
+
+
+@pytest.mark.parametrize("name", ["langchain-rag-prompt", "langchain-system-context"])
+def test_the_bench_layouts_render_as_langchains_prompts_reach_chatkvrag(llm, engine, name):
+    """`kvrag bench accuracy --prompts` asks in the text the tutorials' prompts send: the same
+    messages, formatted by LangChain (context joined as create_stuff_documents_chain joins it) and
+    rendered by ChatKVRag."""
+    from kvrag.eval.layouts import LAYOUTS
+    from langchain_classic.chains.combine_documents.base import DEFAULT_DOCUMENT_SEPARATOR
+    from langchain_core.prompts import ChatPromptTemplate
+
+    layout = LAYOUTS[name]
+    messages = [("system", layout.system)] if layout.system else []
+    prompt = ChatPromptTemplate.from_messages([*messages, ("human", layout.user)])
+    context = DEFAULT_DOCUMENT_SEPARATOR.join([P1, P2])
+    sent = prompt.invoke({"context": context, "question": "Who built the lighthouse?"}).to_messages()
+    assert llm.render(sent)[0] == layout.render(engine, "Who built the lighthouse?", [P1, P2])[0]
