@@ -4,8 +4,12 @@ When the first `ChatKVRag` is created, one callback handler is added to every La
 process (`register_configure_hook`); on each retriever's end it tells the engines about the
 documents' text (`KVEngine.learn`). The first prompt that holds a document computes and stores its
 KV, every later one reuses it: a plain `Chroma(...).as_retriever()` works, not only
-`KVRagVectorStore` (which still pays that cost ahead, when documents are added). Documents fetched
-without a retriever (`vector_store.similarity_search(...)`) run no callback and are not learned.
+`KVRagVectorStore` (which still pays that cost ahead, when documents are added).
+
+Documents fetched without a retriever (`vector_store.similarity_search(...)`, as LangChain's current
+RAG tutorial does) run no callback. Those embedded with `KVRagEmbeddings` are learned when they are
+embedded instead (`learn_documents`), by the engines live then and by those created later in the
+process.
 """
 
 import threading
@@ -26,9 +30,26 @@ class LearnRetrievedDocuments(BaseCallbackHandler):
     def __init__(self) -> None:
         # id -> weak reference of each live ChatKVRag (pydantic models are unhashable: no WeakSet)
         self._models: dict[int, weakref.ref] = {}
+        self._embedded: list[str] = []  # documents KVRagEmbeddings embedded in this process
+        self._taught: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # engine -> how many of them it learned
 
     def add(self, model: Any) -> None:
         self._models[id(model)] = weakref.ref(model, lambda _, key=id(model): self._models.pop(key, None))
+        self._catch_up(model.engine)
+
+    def _catch_up(self, engine: Any) -> None:
+        start = self._taught.get(engine, 0)
+        if start < len(self._embedded):
+            engine.learn(self._embedded[start:])
+        self._taught[engine] = len(self._embedded)
+
+    def embedded(self, texts: list[str]) -> None:
+        """Documents a vector store embedded: every live engine learns them now, later ones on creation."""
+        if len(self._embedded) < _KEEP_EMBEDDED:
+            self._embedded.extend(texts[: _KEEP_EMBEDDED - len(self._embedded)])
+        for engine in self.engines():
+            engine.learn(texts)
+            self._taught[engine] = len(self._embedded)
 
     def engines(self) -> list[Any]:
         models = [m for ref in list(self._models.values()) if (m := ref()) is not None]
@@ -40,18 +61,24 @@ class LearnRetrievedDocuments(BaseCallbackHandler):
             engine.learn(texts)
 
 
+_KEEP_EMBEDDED = 200_000  # documents kept for engines created later; beyond, only live engines learn them
 _lock = threading.Lock()
-_handler: LearnRetrievedDocuments | None = None
+_handler = LearnRetrievedDocuments()
 # Its default is the handler once registered, so every run in every thread and task gets it.
 _var: ContextVar[LearnRetrievedDocuments | None] | None = None
 
 
 def register(model: Any) -> None:
     """Let `model`'s engine learn what retrievers return; installs the hook the first time."""
-    global _handler, _var
+    global _var
     with _lock:
-        if _handler is None:
-            _handler = LearnRetrievedDocuments()
+        if _var is None:
             _var = ContextVar("kvrag_learn_retrieved", default=_handler)
             register_configure_hook(_var, inheritable=True)
         _handler.add(model)
+
+
+def learn_documents(texts: list[str]) -> None:
+    """Documents a vector store embeds with `KVRagEmbeddings`: learned without a retriever in between."""
+    with _lock:
+        _handler.embedded([t for t in texts if isinstance(t, str) and t.strip()])

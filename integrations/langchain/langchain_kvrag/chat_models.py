@@ -211,8 +211,8 @@ class ChatKVRag(BaseChatModel):
 
 def _check_reuse(result: GenerationResult, spans, mode: str) -> None:
     """Say once per process when a long drop-in prompt in a block mode held no passage the engine knew:
-    it reused nothing, though it most likely held documents (which only a retriever run, or indexing,
-    makes known)."""
+    it reused nothing, though it most likely held documents (which only a retriever run, KVRagEmbeddings
+    or indexing makes known)."""
     global _warned
     if _warned or spans is not None or mode not in _BLOCK_MODES or result.cache_hits:
         return
@@ -222,9 +222,9 @@ def _check_reuse(result: GenerationResult, spans, mode: str) -> None:
     warnings.warn(
         f"ChatKVRag: this prompt ({result.prompt_tokens} tokens) held no passage the engine knows, so no KV "
         "was reused and every token was prefilled. Documents are learned when a retriever returns them in "
-        "this process (vector_store.as_retriever() in the chain); documents from similarity_search() or "
-        "written into the prompt by hand are not: add them through KVRagVectorStore or "
-        "llm.engine.index(texts). (Said once per process.)",
+        "this process (vector_store.as_retriever() in the chain) or when KVRagEmbeddings embeds them; "
+        "documents from similarity_search() on a store with other embeddings, or written into the prompt by "
+        "hand, are not: add them through KVRagVectorStore or llm.engine.index(texts). (Said once per process.)",
         stacklevel=3,
     )
 

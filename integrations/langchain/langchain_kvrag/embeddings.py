@@ -13,6 +13,8 @@ from kvrag.app.retrieval import Embedder, embedding_model_path
 from langchain_core.embeddings import Embeddings
 from pydantic import BaseModel, ConfigDict
 
+from langchain_kvrag.callbacks import learn_documents
+
 _LOADED: dict[tuple[str, str], Embedder] = {}
 _LOCK = threading.Lock()
 
@@ -51,11 +53,15 @@ class KVRagEmbeddings(BaseModel, Embeddings):
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
 
     def embed_documents(self, texts: list[str]) -> list[list[float]]:
-        """Embed passages for storage in a vector store."""
+        """Embed passages for storage in a vector store. ChatKVRag's engines learn them too
+        (`langchain_kvrag.callbacks`), so that a prompt holding one reuses its KV from the second time,
+        however the documents were fetched."""
         if not texts:
             return []
-        return _load(self.model_path, self.device).embed(texts)
+        vectors = _load(self.model_path, self.device).embed(texts)
+        learn_documents(texts)
+        return vectors
 
     def embed_query(self, text: str) -> list[float]:
         """Embed a question. The model has no query prompt: questions and passages embed alike."""
-        return self.embed_documents([text])[0]
+        return _load(self.model_path, self.device).embed([text])[0]

@@ -62,6 +62,36 @@ def test_tutorial_with_plain_chroma_reuses_from_the_second_question(engine):
     assert streamed
 
 
+@pytest.mark.parametrize("model_first", [True, False])
+def test_todays_tutorial_with_similarity_search_reuses_from_the_second_question(engine, model_first):
+    """LangChain's current RAG tutorial fetches with `vector_store.similarity_search` (no retriever,
+    no callback) and formats the rag-prompt itself: documents embedded with KVRagEmbeddings are
+    learned as they are added, whether the chat model exists then or comes later."""
+    from kvrag.eval.layouts import LAYOUTS
+
+    tag = uuid.uuid4().hex[:6]
+    llm = ChatKVRag(engine=engine, max_tokens=4) if model_first else None
+    store = Chroma(collection_name=f"tutorial-{tag}", embedding_function=KVRagEmbeddings())
+    store.add_documents(
+        [
+            Document(page_content=f"The Varnholm lighthouse ({tag}) was built in 1873 by the engineer Ilsa Brandt."),
+            Document(page_content=f"The river Olm ({tag}) freezes every winter, and the ferry stops until March."),
+        ]
+    )
+    llm = llm or ChatKVRag(engine=engine, max_tokens=4)
+    prompt = ChatPromptTemplate.from_messages([("human", LAYOUTS["langchain-rag-prompt"].user)])
+
+    def generate(question):
+        docs = store.similarity_search(question, k=2)
+        return llm.invoke(prompt.invoke({"question": question, "context": "\n\n".join(d.page_content for d in docs)}))
+
+    first, second = generate(QUESTION), generate(QUESTION)
+    assert first.response_metadata["cache_hits"].get("computed", 0) >= 2  # both documents, encoded on first sight
+    assert second.response_metadata["reused_tokens"] > 0
+    assert second.response_metadata["cache_hits"].get("computed", 0) == 0
+    assert llm.engine.passages.find(store.similarity_search("Olm", k=1)[0].page_content)  # learned text, found
+
+
 def test_a_dropped_model_stops_learning(engine):
     llm = ChatKVRag(engine=engine)
     assert engine in callbacks._handler.engines()
