@@ -153,6 +153,18 @@ def test_example_app_compares_full_and_block(tmp_path):
         assert first.endswith(("[ok]", "[?]")) and not second.endswith(("[ok]", "[?]"))  # the 2nd has no answers
     assert answers["stuff/block"] == answers["kv_blocks/block"]  # the same text: passages found = passages given
     assert re.search(r"^median TTFT speed-up of block over full: [\d.]+x$", out, re.M)
+    assert re.search(r"^right answers: stuff/full [01]/1, stuff/block [01]/1, kv_blocks/block [01]/1$", out, re.M)
+
+
+def test_example_app_asks_in_langchains_rag_prompt(tmp_path):
+    questions = tmp_path / "questions.json"
+    questions.write_text(json.dumps([{"question": KEEPER, "answers": ["thornbury"]}]))
+    args = [str(SAMPLE), str(questions), "--k", "2", "--max-tokens", "16", "--prompt", "langchain-rag-prompt",
+            "--compare", "blend"]
+    run = subprocess.run([sys.executable, str(EXAMPLE), *args], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    for name in ("stuff/full", "stuff/block", "stuff/blend"):
+        assert re.search(rf"^  {name} +TTFT +\d+ ms  \S.*\[(ok|\?)\]$", run.stdout, re.M), run.stdout
 
 
 def test_tutorial_with_plain_chroma_reuses_from_the_second_question_on_the_default_model():
