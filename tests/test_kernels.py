@@ -278,3 +278,34 @@ def test_a_damaged_build_is_never_loaded(home, tok, monkeypatch, damage):
     assert status.startswith("off (not loaded: ")
     assert run.stderr.count("C kernels not loaded") == 1, run.stderr
     assert not (home / "kernels" / "planted-ran").exists()
+
+
+REWRITTEN = """
+import torch, torch.nn.functional as F
+from kvrag import kernels
+kernels.build()
+lib = kernels._loaded()
+def agrees(lib):
+    q, k, v = torch.randn(1, 4, 7, 64), torch.randn(1, 2, 307, 64), torch.randn(1, 2, 307, 64)
+    visible = torch.ones(7, 307, dtype=torch.bool).tril(300)
+    expected = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, enable_gqa=True)
+    return torch.allclose(kernels.attend(lib, q, k, v, 64 ** -0.5, in_bf16=False), expected, atol=1e-5)
+kernels.build_path().write_bytes(b"\\0" * 16)  # the loaded file, cut short and overwritten in place
+print(agrees(lib))
+kernels._load.cache_clear()
+kernels.build(force=True)  # a new build under the same name, loaded again in the same process
+again = kernels._loaded()
+print(again is not None and again._name != lib._name and agrees(again))
+"""
+
+
+@needs_avx512
+@needs_cc
+def test_what_is_done_to_the_file_after_loading_cannot_reach_the_loaded_code(home):
+    """The loader maps a sealed copy: overwriting the library in place neither crashes the process
+    that loaded it (a mapped file cut short raises SIGBUS) nor changes its code, and a rebuild loaded
+    in the same process is the new library, not the old one under a reused /proc/self/fd name."""
+    run = subprocess.run([sys.executable, "-c", REWRITTEN], env={**os.environ, "KVRAG_HOME": str(home)},
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.split() == ["True", "True"]

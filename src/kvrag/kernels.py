@@ -11,12 +11,14 @@ Built ahead of requests, never during one: `build()` (`kvrag kernels build`, and
 compiles with the system compiler (`$CC`, default `cc`) into this user's own directory,
 `$KVRAG_HOME/kernels/user-<uid>/` (created 0700: the home may be shared, a build is not), and
 records the library's SHA-256 beside it. A request loads a build only from a directory and file
-that are this user's alone and whose bytes match that record, read through the same descriptor it
-hands to the loader; anything else is never loaded, and torch runs. The library uses torch's own
+that are this user's alone and whose bytes match that record; the loader gets a sealed in-memory
+copy of exactly those bytes, so nothing done to the file afterwards (a rebuild, an edit in place)
+changes the code a process runs. Anything else is never loaded, and torch runs. The library uses torch's own
 OpenMP runtime (linked against it by path), so one thread pool and one wait policy serve both.
 """
 
 import ctypes
+import fcntl
 import functools
 import hashlib
 import logging
@@ -176,8 +178,8 @@ def _private_file(fd: int, path: Path) -> None:
 
 
 def _open_verified(path: Path) -> int:
-    """A descriptor on `path`, once the directory and file are this user's alone and the bytes read
-    through it match the SHA-256 recorded at build. FileNotFoundError where nothing was built."""
+    """A sealed memfd holding `path`'s bytes, once the directory and file are this user's alone and
+    those bytes match the SHA-256 recorded at build. FileNotFoundError where nothing was built."""
     _private_directory(path.parent)
     record = path.with_suffix(".sha256")
     fd = os.open(record, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
@@ -185,16 +187,22 @@ def _open_verified(path: Path) -> int:
         _private_file(file.fileno(), record)
         expected = file.read(200).decode(errors="replace").strip()
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    with os.fdopen(fd, "rb") as file:
+        _private_file(file.fileno(), path)
+        data = file.read()
+    if hashlib.sha256(data).hexdigest() != expected:
+        raise Unverified(f"{path} does not match the SHA-256 recorded when it was built")
+    # the loader maps what it opens: a copy nobody can write keeps the verified code, whatever the file becomes
+    memfd = os.memfd_create("kvrag-kernels", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
-        _private_file(fd, path)
-        digest = hashlib.sha256()
-        while chunk := os.read(fd, 1 << 20):
-            digest.update(chunk)
-        if digest.hexdigest() != expected:
-            raise Unverified(f"{path} does not match the SHA-256 recorded when it was built")
-        return fd
+        view = memoryview(data)
+        while view:
+            view = view[os.write(memfd, view):]
+        fcntl.fcntl(memfd, fcntl.F_ADD_SEALS,
+                    fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+        return memfd
     except BaseException:
-        os.close(fd)
+        os.close(memfd)
         raise
 
 
@@ -222,16 +230,20 @@ def _load() -> ctypes.CDLL | None:
         _unavailable = f"not loaded: {e}"
         log.warning("kvrag: C kernels not loaded, torch's kernels run: %s (`kvrag kernels build` rebuilds them)", e)
         return None
+    loaded = False
     try:
-        lib = _bind(ctypes.CDLL(f"/proc/self/fd/{fd}"))  # the very bytes just verified, whatever the path now holds
-        _check(lib)
+        lib = ctypes.CDLL(f"/proc/self/fd/{fd}")
+        # Once loaded, the descriptor stays open for the process's life: the loader knows a library by the
+        # name it was opened under, and a later load under a reused /proc/self/fd/N would get this one back.
+        loaded = True
+        _check(_bind(lib))
         return lib
     except (OSError, AttributeError, RuntimeError) as e:
+        if not loaded:
+            os.close(fd)
         _unavailable = f"the C kernels failed to load: {e}"
         log.warning("kvrag: %s; torch's kernels run", _unavailable)
         return None
-    finally:
-        os.close(fd)
 
 
 def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
