@@ -60,3 +60,23 @@ def test_storage_dtype_is_configurable(make_engine):
     key = engine.build_prompt(QUESTION, TEXTS)[1][0]
     assert engine.store.get(key, "none")[0].keys.dtype == torch.bfloat16
     assert make_engine(storage_dtype=torch.float16).storage_dtype == torch.float16
+
+
+def test_a_prefix_reaches_the_disk_from_its_second_sight(make_engine):
+    """A rendered prompt with the question before its passages has a prefix of its own per question:
+    kept in memory at once, written to disk only once it recurs, so one-off prefixes never fill it."""
+    engine = make_engine()
+    engine.index(TEXTS)
+    before = stored_files(engine)
+
+    def ask(question):
+        text = f"Question: {question}\nContext: {TEXTS[0]}\n\n{TEXTS[1]}\nAnswer:"
+        return engine.generate_text(text, max_new_tokens=2).cache_hits
+
+    assert ask("Who built it?") == {"computed": 1, "memory": 3}  # the prefix; the passages and separator reused
+    assert ask("When did it freeze?") == {"computed": 1, "memory": 3}
+    assert stored_files(engine) == before  # neither one-off prefix was written
+    assert ask("Who built it?") == {"memory": 4}  # seen again: from memory, and now on disk too
+    assert len(stored_files(engine)) == len(before) + 1
+    assert make_engine().generate_text(f"Question: Who built it?\nContext: {TEXTS[0]}\n\n{TEXTS[1]}\nAnswer:",
+                                       max_new_tokens=2).cache_hits == {"disk": 4}  # another process

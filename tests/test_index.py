@@ -138,6 +138,7 @@ def test_foreign_fingerprint_is_never_served(tmp_path, tok, model0, model1):
         logits, hits = prefill_logits(b, PASSAGES[:1])
     assert hits == {"computed": 2}  # B stored nothing yet: its prefix and the passage
     assert torch.equal(logits, ref_logits)
+    assert prefill_logits(b, PASSAGES[:1])[1] == {"memory": 2}  # the prefix's second sight writes it to disk
     assert header_metadata(path_b)["fingerprint"] == b.fingerprint
 
     # A's KV written with B's key and context, valid checksum: only the fingerprint gives it away

@@ -2,6 +2,8 @@
 and write it into consecutive workspace slots, rotated from the position it was encoded at to the
 position it takes in this prompt."""
 
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -50,6 +52,21 @@ class Blocks:
         self.model, self.store, self.pool = model, store, pool
         self.storage_dtype, self.block_context = storage_dtype, block_context
         self.inv_freq = model.get_decoder().rotary_emb.inv_freq
+        self._prefixes_seen: OrderedDict[str, None] = OrderedDict()  # prefixes computed once, kept in memory only
+        self._seen_lock = threading.Lock()
+
+    def _recurs(self, key: str) -> bool:
+        """Whether a prefix not on disk was computed before in this process. A rendered prompt that puts
+        the question before its passages has a prefix of its own per question: writing every one to disk
+        would fill it with KV that is never read again."""
+        with self._seen_lock:
+            if key in self._prefixes_seen:
+                del self._prefixes_seen[key]
+                return True
+            self._prefixes_seen[key] = None
+            if len(self._prefixes_seen) > 4096:
+                self._prefixes_seen.popitem(last=False)
+            return False
 
     def encoded_after(self, prefix: list[int]) -> list[int] | None:
         """What passage blocks are encoded after: nothing, or the prefix."""
@@ -85,12 +102,13 @@ class Blocks:
         values = ws.values[:, 0, :, span].to(self.storage_dtype, copy=True)
         return KVBlock(torch.tensor(ids, dtype=torch.long), keys, values, slot)
 
-    def fetch(self, key: str, context: str, ids: list[int], after: list[int] | None = None, hits: dict | None = None):
-        """(block, tier) from the store, encoding and storing the block on a miss."""
+    def fetch(self, key: str, context: str, ids: list[int], after: list[int] | None = None, hits: dict | None = None,
+              disk: bool = True):
+        """(block, tier) from the store, encoding and storing the block on a miss (in memory only, if told)."""
         block, tier = self.store.get(key, context)
         if block is None:
             block, tier = self.encode(ids, after), "computed"
-            self.store.put(key, context, block)
+            self.store.put(key, context, block, disk=disk)
         if hits is not None:
             hits[tier] = hits.get(tier, 0) + 1
         return block, tier
@@ -104,8 +122,11 @@ class Blocks:
         parts = [(self.store.key("none", prompt.prefix), "none", prompt.prefix, None)] if prompt.prefix else []
         parts += [(k, context, ids, after) for k, ids in zip(keys, prompt.blocks)]
         pieces, position, stored = [], 0, []
-        for key, ctx, ids, encoded_after in parts:
-            block, tier = self.fetch(key, ctx, ids, encoded_after, hits)
+        for n, (key, ctx, ids, encoded_after) in enumerate(parts):
+            prefix = n == 0 and bool(prompt.prefix)
+            block, tier = self.fetch(key, ctx, ids, encoded_after, hits, disk=not prefix)
+            if prefix and not self.store.persisted(key) and self._recurs(key):  # a prefix: to disk from its second sight
+                self.store.put(key, ctx, block)
             pieces.append(Piece(block, position if reorder else block.start))
             position += len(block)
             stored += [tier != "computed"] * len(block)

@@ -184,6 +184,10 @@ class KVStore:
     def __contains__(self, key: str) -> bool:
         return key in self.memory or (self.disk is not None and key in self.disk)
 
+    def persisted(self, key: str) -> bool:
+        """Whether the block outlives the process: on disk, or there is no disk to put it on."""
+        return self.disk is None or key in self.disk
+
     def get(self, key: str, context: str) -> tuple[KVBlock | None, str]:
         """Return (block, tier) with tier 'memory', 'disk' or 'miss'."""
         block = self.memory.get(key)
@@ -196,7 +200,8 @@ class KVStore:
                 return block, "disk"
         return None, "miss"
 
-    def put(self, key: str, context: str, block: KVBlock) -> None:
-        if self.disk is not None:
+    def put(self, key: str, context: str, block: KVBlock, disk: bool = True) -> None:
+        """Keep `block` in memory, and on disk unless told not to."""
+        if self.disk is not None and disk:
             self.disk.put(key, context, block)
         self.memory.put(key, block)
