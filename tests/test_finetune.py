@@ -304,7 +304,7 @@ def test_finetune_command_on_the_default_model(kvrag_home, tmp_path, capsys):
 
     out = tmp_path / "run"
     argv = ["finetune", str(out), "--questions", "4", "--passages", "5", "--steps", "2", "--accumulate", "1",
-            "--save-every", "1", "--prose", "0.5"]
+            "--save-every", "1", "--prose", "0.5", "--prompts", "langchain-rag-prompt,llamaindex-chat-qa"]
     assert main(argv) == 0
     assert "saved" in capsys.readouterr().out
     record = json.loads((out / "training.json").read_text())
@@ -312,6 +312,7 @@ def test_finetune_command_on_the_default_model(kvrag_home, tmp_path, capsys):
     assert record["about"]["dataset"] == {"split": "train", "n": 4, "passages": 5, "noise": 0.5, "seed": 0,
                                           "prose": 0.5}
     assert record["about"]["unanswerable_share"] == 0.05
+    assert record["about"]["layouts"] == ["langchain-rag-prompt", "llamaindex-chat-qa"]
     tuned = KVEngine.from_pretrained(adapter=out / "adapter")
     assert tuned.fingerprint != KVEngine.shared().fingerprint
     assert tuned.generate("Where is Dranvi?", ["Dranvi lies in Brasdra."], max_new_tokens=4).generated_tokens > 0
