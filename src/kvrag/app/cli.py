@@ -21,8 +21,8 @@ BENCH_METHODS = ("full", "map_reduce", "map_rerank", "block", "blend", "composit
 """kvrag.eval.accuracy.METHODS: what `bench accuracy` runs by default."""
 BENCH_EXTRA_METHODS = ("prefix", "blend_values")
 """kvrag.eval.accuracy.EXTRA_METHODS: what it runs when asked by name."""
-BENCH_LAYOUTS = ("kvrag", "langchain-rag-prompt", "rag-prompt-question-last", "langchain-system-context", "llamaindex-text-qa", "llamaindex-chat-qa",
-                 "numbered", "separated")
+BENCH_LAYOUTS = ("kvrag", "langchain-rag-prompt", "rag-prompt-question-last", "langchain-system-context",
+                 "llamaindex-text-qa", "llamaindex-chat-qa", "numbered", "separated")
 """kvrag.eval.layouts.NAMES: the prompt layouts `bench accuracy --prompts` can ask in."""
 LAYOUT_METHODS = ("full", "block", "blend")
 """What `bench accuracy` runs by default in other prompt layouts than kvrag's own."""
@@ -322,7 +322,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prose", type=float, default=0.5,
                    help="share of train-split passages rewritten as connected prose, with questions in other words")
     p.add_argument("--prompts", default="kvrag",
-                   help=f"comma-separated prompt layouts the examples are asked in, drawn in turn, or 'all': "
+                   help=f"comma-separated prompt layouts the examples are asked in, one drawn per example, or 'all': "
                    f"{', '.join(BENCH_LAYOUTS)}")
     p.add_argument("--unanswerable-share", type=float, default=0.05,
                    help="share of questions no passage answers (at most 0.25, what the generator makes)")

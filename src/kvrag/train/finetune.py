@@ -107,8 +107,8 @@ def training_examples(engine, qa_examples, full_attention_share: float = 0.0, se
                       layouts: Sequence[str] = (OWN,)) -> list[TrainingExample]:
     """Generated questions (kvrag.eval.data) as training examples whose answers are their short sentences;
     a share of them, drawn by `seed`, with plain causal attention, each asked in one of `layouts`
-    (kvrag.eval.layouts), drawn in turn from a generator of its own so that the attention draws stay
-    those of a single-layout run."""
+    (kvrag.eval.layouts) drawn from a generator of its own, so that the attention draws stay those of
+    a single-layout run."""
     check_layouts(layouts)
     draw, pick = random.Random(seed), random.Random(f"kvrag-layouts:{seed}")
     return [encode(engine, q.question, q.passages, q.target, full_attention=draw.random() < full_attention_share,
