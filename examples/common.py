@@ -11,12 +11,13 @@ SAMPLE = Path(str(resources.files("kvrag") / "sample"))
 
 
 def load_questions(path: Path) -> list[dict]:
-    """A JSON list of strings or of {"question": ..., "answers": [...]} objects, or one question per line."""
+    """A JSON list of strings or of {"question": ..., "answers": [...]} objects (with "wrong": [...], a
+    comparison's other candidates), or one question per line."""
     if path.suffix == ".json":
         items = json.loads(path.read_text())
     else:
         items = [line.strip() for line in path.read_text().splitlines() if line.strip()]
-    return [{"question": item, "answers": []} if isinstance(item, str) else item for item in items]
+    return [{"question": item, "answers": []} if isinstance(item, str) else {"answers": [], **item} for item in items]
 
 
 def parse_args(description: str, baselines: list[str], argv=None, **extra: dict) -> argparse.Namespace:
@@ -41,10 +42,14 @@ def parse_args(description: str, baselines: list[str], argv=None, **extra: dict)
     return args
 
 
-def answer_line(name: str, timing: str, answer: str, expected: list[str], width: int = 100) -> str:
-    """One row: the name, its timing, the answer on one line, and [ok] / [?] when answers are known
-    (kvrag's metric: a given answer appears in the reply, as whole words)."""
+def is_right(answer: str, item: dict) -> bool:
+    """kvrag's metric: a given answer appears in the reply as whole words, before any wrong candidate."""
+    return answer_in_output(answer, item["answers"], item.get("wrong", ()))
+
+
+def answer_line(name: str, timing: str, answer: str, item: dict, width: int = 100) -> str:
+    """One row: the name, its timing, the answer on one line, and [ok] / [?] when answers are known."""
     text = " ".join(answer.split())
     text = text if len(text) <= width else text[: width - 3] + "..."
-    mark = "" if not expected else " [ok]" if answer_in_output(answer, expected) else " [?]"
+    mark = "" if not item["answers"] else " [ok]" if is_right(answer, item) else " [?]"
     return f"  {name:<24} {timing}  {text}{mark}"

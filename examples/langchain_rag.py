@@ -4,6 +4,7 @@
     python examples/langchain_rag.py notes/ questions.json --k 4 --max-tokens 64
     python examples/langchain_rag.py --compare kv_blocks,map_reduce,map_rerank
     python examples/langchain_rag.py --prompt langchain-rag-prompt --compare blend   # LangChain's rag-prompt
+    python examples/langchain_rag.py examples/heldout --compare blend   # hand-written text nothing trains on
 
 The files are split into passages and stored in a `KVRagVectorStore` (Chroma with offline
 embeddings), which prefills every passage once as it is added. For each question the retriever
@@ -17,8 +18,9 @@ model, `map_reduce` and `map_rerank`, which make several calls each and are time
 chain's own (kvrag.eval.layouts: LangChain's `rag-prompt`, which puts the question first, the
 `create_retrieval_chain` tutorial's, LlamaIndex's text-QA prompts). Everything runs offline.
 
-Questions: a JSON list of strings or of {"question": ..., "answers": [...]} objects, or a text
-file with one question per line. Given answers are checked: [ok] when one appears in the reply.
+Questions: a JSON list of strings or of {"question": ..., "answers": [...], "wrong": [...]} objects,
+or a text file with one question per line. Given answers are checked: [ok] when one appears in the
+reply before any wrong one (a comparison's other candidate).
 """
 
 import hashlib
@@ -29,13 +31,12 @@ from pathlib import Path
 from kvrag import KVEngine
 from kvrag.app.split import read_text, split_passages, text_files
 from kvrag.eval.layouts import LAYOUTS
-from kvrag.eval.metrics import answer_in_output
 from langchain_core.prompts import ChatPromptTemplate
 from langchain_kvrag.chains import CHAIN_KINDS, rag_chain
 from langchain_kvrag.chat_models import ChatKVRag
 from langchain_kvrag.vectorstores import KVRagVectorStore
 
-from common import answer_line, parse_args
+from common import answer_line, is_right, parse_args
 
 BASELINES = [kind for kind in CHAIN_KINDS if kind != "stuff"] + ["blend"]  # kv_blocks, map_reduce, map_rerank, blend
 PROMPTS = [name for name, layout in LAYOUTS.items() if layout.passage == "{text}"]  # the stuff chain writes passages as is
@@ -101,9 +102,9 @@ def main(argv=None) -> None:
                 timing = f"TTFT {ttft[name] * 1e3:6.0f} ms"
             else:  # map_reduce, map_rerank: several calls, the whole chain's time is what the user waits
                 timing = f"total {elapsed:6.2f} s"
-            print(answer_line(name, timing, result["answer"], item.get("answers", [])))
-            if item.get("answers"):
-                right.setdefault(name, []).append(answer_in_output(result["answer"], item["answers"]))
+            print(answer_line(name, timing, result["answer"], item))
+            if item["answers"]:
+                right.setdefault(name, []).append(is_right(result["answer"], item))
         speedups.append(ttft["stuff/full"] / ttft["stuff/block"])
     print(f"\nmedian TTFT speed-up of block over full: {statistics.median(speedups):.1f}x")
     if right:

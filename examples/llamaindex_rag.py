@@ -118,7 +118,7 @@ def main(argv=None) -> None:
                 timing = f"TTFT {ttft[name] * 1e3:6.0f} ms"
             else:  # several calls, or an answer that streams only once complete: the whole wait
                 timing = f"total {time.perf_counter() - start:6.2f} s"
-            print(answer_line(name, timing, answer, item.get("answers", [])))
+            print(answer_line(name, timing, answer, item))
         speedups.append(ttft["compact/full"] / ttft["block"])
     print(f"\nmedian TTFT speed-up of the block synthesizer over compact with full prefill: {statistics.median(speedups):.1f}x")
 

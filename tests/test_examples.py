@@ -1,0 +1,40 @@
+"""The example apps' question files: every gold answer is in the corpus it is asked of, and a
+comparison that names its other candidate first is not counted right."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from kvrag.app.split import read_text, text_files
+from kvrag.eval.metrics import normalize
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+sys.path.insert(0, str(EXAMPLES))
+from common import SAMPLE, is_right, load_questions  # noqa: E402
+
+
+@pytest.mark.parametrize("folder", [SAMPLE, EXAMPLES / "heldout"], ids=["sample", "heldout"])
+def test_every_answer_is_in_the_corpus(folder):
+    corpus = " ".join(normalize(read_text(path)) for path in text_files([folder]))
+    questions = load_questions(folder / "questions.json")
+    assert len({item["question"] for item in questions}) == len(questions)
+    for item in questions:
+        assert item["answers"], item
+        assert any(f" {normalize(a)} " in f" {corpus} " for a in item["answers"]), item
+        for other in item.get("wrong", []):
+            assert f" {normalize(other)} " in f" {corpus} ", item
+
+
+def test_the_heldout_corpus_is_not_the_sample():
+    questions = json.loads((EXAMPLES / "heldout" / "questions.json").read_text())
+    assert len(questions) == 60 and sum("wrong" in item for item in questions) == 10
+    assert not {p.name for p in text_files([SAMPLE])} & {p.name for p in text_files([EXAMPLES / "heldout"])}
+
+
+def test_a_comparison_naming_the_other_candidate_first_is_wrong():
+    item = {"question": "Which club is older, the Herons or the Gulls?", "answers": ["Gulls"], "wrong": ["Herons"]}
+    assert is_right("The Gulls, founded in 1903, are older than the Herons.", item)
+    assert not is_right("The Herons are older than the Gulls.", item)
+    assert not is_right("Neither.", item)
+    assert is_right("The Herons are older than the Gulls.", {**item, "wrong": []})
