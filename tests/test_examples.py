@@ -1,8 +1,8 @@
 """The example apps' question files: every gold answer is in the corpus it is asked of, and a
 comparison that names its other candidate first is not counted right."""
 
+import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -10,14 +10,15 @@ from kvrag.app.split import read_text, text_files
 from kvrag.eval.metrics import normalize
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
-sys.path.insert(0, str(EXAMPLES))
-from common import SAMPLE, is_right, load_questions  # noqa: E402
+_spec = importlib.util.spec_from_file_location("examples_common", EXAMPLES / "common.py")
+common = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(common)
 
 
-@pytest.mark.parametrize("folder", [SAMPLE, EXAMPLES / "heldout"], ids=["sample", "heldout"])
+@pytest.mark.parametrize("folder", [common.SAMPLE, EXAMPLES / "heldout"], ids=["sample", "heldout"])
 def test_every_answer_is_in_the_corpus(folder):
     corpus = " ".join(normalize(read_text(path)) for path in text_files([folder]))
-    questions = load_questions(folder / "questions.json")
+    questions = common.load_questions(folder / "questions.json")
     assert len({item["question"] for item in questions}) == len(questions)
     for item in questions:
         assert item["answers"], item
@@ -26,15 +27,15 @@ def test_every_answer_is_in_the_corpus(folder):
             assert f" {normalize(other)} " in f" {corpus} ", item
 
 
-def test_the_heldout_corpus_is_not_the_sample():
+def test_the_heldout_set_is_what_the_docs_say():
     questions = json.loads((EXAMPLES / "heldout" / "questions.json").read_text())
     assert len(questions) == 60 and sum("wrong" in item for item in questions) == 10
-    assert not {p.name for p in text_files([SAMPLE])} & {p.name for p in text_files([EXAMPLES / "heldout"])}
+    assert len(text_files([EXAMPLES / "heldout"])) == 12
 
 
 def test_a_comparison_naming_the_other_candidate_first_is_wrong():
     item = {"question": "Which club is older, the Herons or the Gulls?", "answers": ["Gulls"], "wrong": ["Herons"]}
-    assert is_right("The Gulls, founded in 1903, are older than the Herons.", item)
-    assert not is_right("The Herons are older than the Gulls.", item)
-    assert not is_right("Neither.", item)
-    assert is_right("The Herons are older than the Gulls.", {**item, "wrong": []})
+    assert common.is_right("The Gulls, founded in 1903, are older than the Herons.", item)
+    assert not common.is_right("The Herons are older than the Gulls.", item)
+    assert not common.is_right("Neither.", item)
+    assert common.is_right("The Herons are older than the Gulls.", {**item, "wrong": []})
