@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 from kvrag.app.split import read_text, text_files
-from kvrag.eval.metrics import normalize
+from kvrag.eval.metrics import answer_in_output
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 _spec = importlib.util.spec_from_file_location("examples_common", EXAMPLES / "common.py")
@@ -17,14 +17,13 @@ _spec.loader.exec_module(common)
 
 @pytest.mark.parametrize("folder", [common.SAMPLE, EXAMPLES / "heldout"], ids=["sample", "heldout"])
 def test_every_answer_is_in_the_corpus(folder):
-    corpus = " ".join(normalize(read_text(path)) for path in text_files([folder]))
+    corpus = "\n\n".join(read_text(path) for path in text_files([folder]))
     questions = common.load_questions(folder / "questions.json")
     assert len({item["question"] for item in questions}) == len(questions)
-    for item in questions:
-        assert item["answers"], item
-        assert any(f" {normalize(a)} " in f" {corpus} " for a in item["answers"]), item
+    for item in questions:  # findable by the metric that scores the replies
+        assert answer_in_output(corpus, item["answers"]), item
         for other in item.get("wrong", []):
-            assert f" {normalize(other)} " in f" {corpus} ", item
+            assert answer_in_output(corpus, [other]), item
 
 
 def test_the_heldout_set_is_what_the_docs_say():
