@@ -283,6 +283,24 @@ def test_the_unanswerable_share_keeps_every_answerable_question():
         ft.with_unanswerable_share(questions, 0.4)
 
 
+def test_short_contexts_keep_the_gold_passages_in_order_and_at_most_three_distractors():
+    from kvrag.eval import data
+
+    questions = data.generate("train", n=200, passages=10, seed=1)
+    cut = ft.with_short_contexts(questions, 0.5, seed=1)
+    short = [(q, c) for q, c in zip(questions, cut) if c.passages != q.passages]
+    assert 70 <= len(short) <= 130  # about half
+    for q, c in short:
+        assert [c.passages[i] for i in c.gold] == [q.passages[i] for i in q.gold]
+        assert len(c.gold) <= len(c.passages) <= len(c.gold) + 3
+        assert [q.passages.index(p) for p in c.passages] == sorted(q.passages.index(p) for p in c.passages)
+        assert (c.question, c.target, c.type) == (q.question, q.target, q.type)
+    assert {len(c.passages) - len(c.gold) for _, c in short} == {0, 1, 2, 3}
+    assert ft.with_short_contexts(questions, 0.0) == questions
+    with pytest.raises(ValueError, match="short-context share must be in"):
+        ft.with_short_contexts(questions, 1.5)
+
+
 @pytest.mark.e2e
 def test_the_default_model_comes_with_the_shipped_block_adapter(default_engine):
     """adapter="auto" (the default) merges the adapter shipped in the package into the default model's

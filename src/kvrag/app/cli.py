@@ -198,7 +198,7 @@ def cmd_finetune(args):
     import torch
 
     from kvrag.eval import data
-    from kvrag.train.finetune import TrainConfig, train, training_examples, with_unanswerable_share
+    from kvrag.train.finetune import TrainConfig, train, training_examples, with_short_contexts, with_unanswerable_share
 
     config = TrainConfig(steps=args.steps, learning_rate=args.lr, accumulate=args.accumulate, lora_r=args.lora_r,
                          lora_alpha=2 * args.lora_r, full=args.full, full_attention_share=args.full_attention_share,
@@ -209,6 +209,7 @@ def cmd_finetune(args):
     dataset = {"split": "train", "n": args.questions, "passages": args.passages, "noise": args.noise, "seed": args.seed,
                "prose": args.prose}
     questions = with_unanswerable_share(data.generate(**dataset), args.unanswerable_share)
+    questions = with_short_contexts(questions, args.short_share, args.seed)
     layouts = _layouts(args.prompts)
     engine = _engine(args)
     examples = training_examples(engine, questions, config.full_attention_share, config.seed, layouts)
@@ -218,6 +219,8 @@ def cmd_finetune(args):
           f"({args.unanswerable_share:.0%} unanswerable), "
           f"{'every weight' if args.full else f'LoRA r={args.lora_r}'}, {args.steps} steps of {args.accumulate} examples")
     about = {"dataset": dataset, "unanswerable_share": args.unanswerable_share, "model": args.model or "default"}
+    if args.short_share:
+        about["short_share"] = args.short_share
     if layouts != ["kvrag"]:
         about["layouts"] = layouts
     final = train(engine, examples, args.out, config, about=about, scale=args.adapter_scale)
@@ -326,6 +329,8 @@ def build_parser() -> argparse.ArgumentParser:
                    f"{', '.join(BENCH_LAYOUTS)}")
     p.add_argument("--unanswerable-share", type=float, default=0.05,
                    help="share of questions no passage answers (at most 0.25, what the generator makes)")
+    p.add_argument("--short-share", type=float, default=0.0,
+                   help="share of questions cut to their gold passages and 0-3 distractors, so short prompts are seen too")
     p.add_argument("--steps", type=int, default=TRAIN_DEFAULTS["steps"], help="optimizer steps")
     p.add_argument("--accumulate", type=int, default=TRAIN_DEFAULTS["accumulate"], help="examples per optimizer step")
     p.add_argument("--lr", type=float, default=TRAIN_DEFAULTS["learning_rate"], help="peak learning rate")

@@ -20,7 +20,7 @@ import shutil
 import time
 import warnings
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -101,6 +101,26 @@ def with_unanswerable_share(qa_examples, share: float) -> list:
                          f"{len(declined)} (a share of {available:.2f})")
     kept = set(map(id, answerable + declined[:wanted]))
     return [q for q in qa_examples if id(q) in kept]
+
+
+def with_short_contexts(qa_examples, share: float, seed: int = 0, most_distractors: int = 3) -> list:
+    """A share of the questions, drawn by `seed`, cut to their gold passages and 0 to `most_distractors`
+    distractors, in their order.
+
+    The generator never asks over fewer than five passages, while a newcomer's first prompts hold one
+    or two."""
+    if not 0.0 <= share <= 1.0:
+        raise ValueError(f"short-context share must be in [0, 1], got {share}")
+    draw = random.Random(f"kvrag-short:{seed}")
+    out = []
+    for q in qa_examples:
+        if draw.random() >= share:
+            out.append(q)
+            continue
+        others = [i for i in range(len(q.passages)) if i not in q.gold]
+        kept = sorted([*q.gold, *draw.sample(others, draw.randint(0, min(most_distractors, len(others))))])
+        out.append(replace(q, passages=tuple(q.passages[i] for i in kept), gold=tuple(kept.index(g) for g in q.gold)))
+    return out
 
 
 def training_examples(engine, qa_examples, full_attention_share: float = 0.0, seed: int = 0,
