@@ -5,6 +5,24 @@ import os
 import pytest
 
 
+def pytest_addoption(parser):
+    parser.addoption("--device", action="append", default=None,
+                     help="device a test that takes the `device` fixture runs on (repeatable; default: cpu, and cuda "
+                          "when torch sees one)")
+
+
+def devices(config) -> list[str]:
+    import torch
+
+    return config.getoption("device") or ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def pytest_generate_tests(metafunc):
+    """`device`: every device there is, so the invariant, store and mode tests run on a GPU where there is one."""
+    if "device" in metafunc.fixturenames:
+        metafunc.parametrize("device", devices(metafunc.config))
+
+
 @pytest.fixture(scope="session", autouse=True)
 def kvrag_home(tmp_path_factory):
     """Every test session gets its own KVRAG_HOME: nothing is read from or left in ~/.cache."""

@@ -19,10 +19,10 @@ def make_engine(tok, tmp_path, monkeypatch):
 
     monkeypatch.setattr(kernels, "bf16", False)
 
-    def make(arch="llama", seed=0, **kwargs):
+    def make(arch="llama", seed=0, device="cpu", **kwargs):
         kwargs.setdefault("home", tmp_path)
         kwargs.setdefault("storage_dtype", torch.float32)
-        return KVEngine(tiny_model(tiny_configs(len(tok))[arch], seed), tok, **kwargs)
+        return KVEngine(tiny_model(tiny_configs(len(tok))[arch], seed).to(device), tok, **kwargs)
 
     return make
 

@@ -84,6 +84,10 @@ def tiny_configs(vocab: int = 400) -> dict:
     }
 
 
+TOLERANCE = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 3e-2}
+"""Largest difference of logits that counts as equal, by compute dtype (tiny models' logits are ~1)."""
+
+
 def tiny_model(config, seed: int = 0):
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")

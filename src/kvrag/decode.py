@@ -41,10 +41,9 @@ class Sampler:
         self.generator = torch.Generator().manual_seed(seed) if seed is not None else None
 
     def __call__(self, logits: torch.Tensor) -> int:
-        logits = logits.float()
         if self.temperature == 0:
             return int(logits.argmax())
-        logits = logits / self.temperature
+        logits = logits.float().cpu() / self.temperature  # the seeded generator is the CPU's, on any device
         if self.top_k and self.top_k < logits.numel():
             kth = torch.topk(logits, self.top_k).values[-1]
             logits = logits.masked_fill(logits < kth, float("-inf"))

@@ -38,10 +38,13 @@ class KVEngine:
     def __init__(self, model, tokenizer, *, causal_model=None, block_context: str = "none",
                  storage_dtype: torch.dtype = torch.float16, memory_budget: int = 1 << 30,
                  prompt_format: PromptFormat | None = None, home: str | Path | None = None, persist: bool = True,
-                 fingerprint: str | None = None, blend: BlendConfig | None = None):
+                 fingerprint: str | None = None, causal_fingerprint: str | None = None,
+                 blend: BlendConfig | None = None):
         """`causal_model`: other weights for the causal modes (full, prefix), say the published ones when
-        `model` carries a block-tuned adapter (default: `model` in every mode). `blend`: the default of
-        blend mode's settings (each request may pass its own)."""
+        `model` carries a block-tuned adapter (default: `model` in every mode). The engine runs on the
+        model's device. `fingerprint`, `causal_fingerprint`: the models' `loading.fingerprint`s, when
+        known (computed otherwise). `blend`: the default of blend mode's settings (each request may pass
+        its own)."""
         loading.check_supported(model.config)
         if block_context not in BLOCK_CONTEXTS:
             raise ValueError(f"block_context must be one of {BLOCK_CONTEXTS}, got {block_context!r}")
@@ -61,7 +64,7 @@ class KVEngine:
         if causal_model is not None and causal_model is not model:
             loading.check_same_shape(model, causal_model)
             self.causal_model = loading.prepare(causal_model)
-            self.causal_fingerprint = loading.fingerprint(causal_model, tokenizer)
+            self.causal_fingerprint = causal_fingerprint or loading.fingerprint(causal_model, tokenizer)
             causal_root = self.home / "kv" / self.causal_fingerprint[:16] if persist else None
             self.causal_store = KVStore(self.causal_fingerprint, causal_root, memory_budget)
             self.causal_blocks = Blocks(self.causal_model, self.causal_store, self.pool, storage_dtype, block_context)
@@ -76,13 +79,17 @@ class KVEngine:
         cls,
         model: str | None = None,
         *,
-        dtype: torch.dtype = torch.float32,
+        device: str | torch.device | None = "auto",
+        dtype: str | torch.dtype | None = "auto",
         adapter: str | Path | None = "auto",
         adapter_scope: str = "block",
         **kwargs,
     ):
         """Load a local model directory, a GGUF file, a hub id already on disk, or (None) the default model.
 
+        `device`: "auto" (the first CUDA device torch sees, else the CPU), "cpu", "cuda" or "cuda:N".
+        `dtype`: "auto" (bfloat16 on a GPU that has it, else float16; float32 on the CPU), "float32",
+        "float16", "bfloat16" or a torch dtype.
         `adapter`: a LoRA adapter directory (peft's format, e.g. from `kvrag finetune`), merged into the
         weights; the fingerprint covers the merged weights, so KV made with and without it never mix.
         "auto" (the default) is the block-tuned adapter shipped for the default model, and nothing for
@@ -94,15 +101,23 @@ class KVEngine:
         """
         if adapter_scope not in ADAPTER_SCOPES:
             raise ValueError(f"adapter_scope must be one of {ADAPTER_SCOPES}, got {adapter_scope!r}")
-        home = kwargs.get("home")
-        lm, tokenizer = loading.load(model, dtype=dtype, home=Path(home) if home is not None else None)
+        home = Path(kwargs["home"]) if kwargs.get("home") is not None else None
+        lm, tokenizer, source = loading.load(model, device=device, dtype=dtype, home=home)
+
+        def fingerprint(weights, *adapters):  # the weights' digest remembered per checkpoint, where its files are known
+            return loading.fingerprint(weights, tokenizer, files=[source, *adapters] if source else (), home=home)
+
         if adapter == "auto":
             adapter = loading.DEFAULT_ADAPTER if model is None else None
         if adapter is None:
-            return cls(lm, tokenizer, **kwargs)
+            return cls(lm, tokenizer, fingerprint=fingerprint(lm), **kwargs)
         if adapter_scope == "all":
-            return cls(loading.merge_adapter(lm, adapter), tokenizer, **kwargs)
-        return cls(loading.merge_adapter(lm, adapter, keep_base=True), tokenizer, causal_model=lm, **kwargs)
+            merged = loading.merge_adapter(lm, adapter)
+            return cls(merged, tokenizer, fingerprint=fingerprint(merged, adapter), **kwargs)
+        causal_fingerprint = fingerprint(lm)
+        merged = loading.merge_adapter(lm, adapter, keep_base=True)
+        return cls(merged, tokenizer, causal_model=lm, fingerprint=fingerprint(merged, adapter),
+                   causal_fingerprint=causal_fingerprint, **kwargs)
 
     @classmethod
     def shared(cls, model: str | None = None, **kwargs) -> "KVEngine":
@@ -110,6 +125,8 @@ class KVEngine:
 
         Integrations build many model objects (one per chain, per test); the weights load once.
         """
+        device = loading.resolve_device(kwargs.pop("device", "auto"))
+        kwargs.update(device=device, dtype=loading.resolve_dtype(kwargs.pop("dtype", "auto"), device))
         key = (model, os.environ.get("KVRAG_HOME"), tuple(sorted(kwargs.items())))
         with _SHARED_LOCK:
             if key not in _SHARED:

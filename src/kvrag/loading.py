@@ -10,6 +10,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import re
 import shutil
 import tempfile
 import warnings
@@ -19,7 +20,7 @@ import torch
 
 from . import attention
 from .errors import KVRagError, UnsupportedModelError
-from .paths import kvrag_home
+from .paths import kvrag_home, write_atomic
 from .rope import check_composable
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -130,10 +131,72 @@ def resolve_model_dir(model: str | os.PathLike | None, home: Path | None = None)
     return str(model)  # a hub id, only if it is already in the local HF cache
 
 
-def load(model: str | os.PathLike | None = None, *, dtype=torch.float32, home: Path | None = None):
-    """Return (model, tokenizer) loaded from local files only, after checking the architecture."""
+def resolve_device(device: str | torch.device | None = "auto") -> torch.device:
+    """"auto" (or None): the first CUDA device when torch sees one, else the CPU."""
+    if device is None or device == "auto":
+        return torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {device!r}") from exc
+    if resolved.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {device!r}")
+    if resolved.type == "cuda":
+        if not torch.cuda.is_available():
+            raise KVRagError(f"device {device!r}: torch {torch.__version__} sees no CUDA device "
+                             f"(built for CUDA {torch.version.cuda or 'none'}); use device='cpu' or 'auto'")
+        index = resolved.index or 0
+        if index >= torch.cuda.device_count():
+            raise KVRagError(f"device {device!r}: torch sees {torch.cuda.device_count()} CUDA device(s)")
+        resolved = torch.device("cuda", index)
+    return resolved
+
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    """"auto" (or None): bfloat16 on a CUDA device that has it, else float16 there; float32 on the CPU,
+    where half-precision matrix products are slow."""
+    if dtype is None or dtype == "auto":
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.float32
+    if isinstance(dtype, str):
+        dtype = DTYPES.get(dtype.removeprefix("torch."), dtype)
+    if dtype not in DTYPES.values():
+        raise ValueError(f"dtype must be 'auto', {', '.join(map(repr, DTYPES))} or a torch dtype of those, got {dtype!r}")
+    return dtype
+
+
+def _placement(config, dtype: torch.dtype, device: torch.device) -> dict:
+    """Where the weights go: all on `device`, unless they would take more than 90% of its free memory
+    (the rest is for KV and activations); then what does not fit stays in host memory."""
+    if device.type != "cuda":
+        return {}
+    from accelerate import init_empty_weights
+    from accelerate.utils import get_max_memory
+    from transformers import AutoModelForCausalLM
+
+    with init_empty_weights():
+        params = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+    free = get_max_memory()
+    if params * dtype.itemsize < 0.9 * free[device.index]:
+        return {"device_map": {"": device}}
+    return {"device_map": "auto", "max_memory": {device.index: int(0.9 * free[device.index]), "cpu": free["cpu"]}}
+
+
+def load(model: str | os.PathLike | None = None, *, device: str | torch.device | None = "cpu",
+         dtype: str | torch.dtype | None = None, home: Path | None = None):
+    """Return (model, tokenizer, source directory) loaded from local files only, after checking the
+    architecture. `device` and `dtype` as `resolve_device` and `resolve_dtype` take them. A model
+    too large for its GPU keeps the layers that do not fit in host memory (accelerate's
+    `device_map="auto"` limited to that GPU and the CPU): every layer still runs on the GPU, so its
+    KV lives there."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+    device = resolve_device(device)
+    dtype = resolve_dtype(dtype, device)
     source = resolve_model_dir(model, home)
     try:
         config = AutoConfig.from_pretrained(source, local_files_only=True)
@@ -142,9 +205,22 @@ def load(model: str | os.PathLike | None = None, *, dtype=torch.float32, home: P
     check_supported(config)
     tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=True)
     lm = AutoModelForCausalLM.from_pretrained(
-        source, dtype=dtype, local_files_only=True, attn_implementation=attention.NAME
+        source, dtype=dtype, local_files_only=True, attn_implementation=attention.NAME,
+        **_placement(config, dtype, device),
     )
-    return lm.eval(), tokenizer
+    return lm.eval(), tokenizer, local_dir(source)
+
+
+def local_dir(source: Path | str) -> Path | None:
+    """The directory a model loads from: for a hub id, its snapshot in the local cache (None if not found)."""
+    if isinstance(source, Path):
+        return source
+    from transformers.utils import cached_file
+
+    try:
+        return Path(cached_file(source, "config.json", local_files_only=True)).parent
+    except (OSError, TypeError):
+        return None
 
 
 def merge_adapter(model, adapter: str | os.PathLike, *, keep_base: bool = False):
@@ -185,13 +261,59 @@ def tokenizer_digest(tokenizer) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def fingerprint(model, tokenizer, **extra) -> str:
+def _safetensors_header(path: Path) -> str:
+    """SHA-256 of a safetensors file's JSON header (its tensors' names, dtypes, shapes and offsets)."""
+    with open(path, "rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        if size > 1 << 28:
+            raise ValueError(f"{path}: header of {size} bytes")
+        return hashlib.sha256(f.read(size)).hexdigest()
+
+
+def files_identity(dirs) -> list:
+    """What identifies the files of a checkpoint (and adapter) without reading their data: each file's
+    resolved path, size and modification time, and each safetensors file's header."""
+    identity = []
+    for directory in dirs:
+        for path in sorted(Path(directory).iterdir()):
+            if path.is_file():
+                stat = path.stat()
+                entry = [str(path.resolve()), stat.st_size, stat.st_mtime_ns]
+                if path.suffix == ".safetensors":
+                    entry.append(_safetensors_header(path))
+                identity.append(entry)
+    return identity
+
+
+_DIGEST = re.compile(r"^[0-9a-f]{64}$")
+
+
+def remembered_weights_digest(model, dirs, home: Path | None = None) -> str:
+    """`weights_digest(model)`, hashed once per checkpoint and remembered under KVRAG_HOME/fingerprints
+    keyed by `files_identity` of `dirs` (the files the weights were loaded from), dtype and device type:
+    hashing an 8B model's weights on every load would take longer than loading them."""
+    key = json.dumps({"files": files_identity(dirs), "dtype": str(model.dtype), "device": model.device.type})
+    path = (home or kvrag_home()) / "fingerprints" / f"{hashlib.sha256(key.encode()).hexdigest()}.json"
+    try:
+        with open(path, "rb") as f:
+            digest = json.loads(f.read(4096)).get("weights")
+        if isinstance(digest, str) and _DIGEST.match(digest):
+            return digest
+    except (OSError, ValueError, AttributeError):  # missing, damaged or planted: hash again and rewrite
+        pass
+    digest = weights_digest(model)
+    write_atomic(path, json.dumps({"weights": digest}).encode())
+    return digest
+
+
+def fingerprint(model, tokenizer, *, files=(), home: Path | None = None, **extra) -> str:
     """Identity of everything that shapes a block's KV: weights, dtype, tokenizer, chat template
-    (the store adds its own format version to every block key)."""
+    (the store adds its own format version to every block key). `files`: the directories the weights
+    were loaded from, so that their digest is remembered (`remembered_weights_digest`)."""
     parts = {
         "model_type": model.config.model_type,
         "dtype": str(model.dtype),
-        "weights": weights_digest(model),
+        "weights": remembered_weights_digest(model, files, home) if files else weights_digest(model),
         "tokenizer": tokenizer_digest(tokenizer),
         "chat_template": getattr(tokenizer, "chat_template", None) or "",
         **extra,

@@ -72,6 +72,12 @@ class ChatKVRag(BaseChatModel):
     """The engine holding the model and the KV store; `KVEngine.shared(model)` when not given."""
     model: str | None = None
     """Local model directory, GGUF file or cached hub id; None is the embedded default model."""
+    device: str = "auto"
+    """Where the model runs when no engine is given: "auto" (a CUDA GPU when torch sees one, else the
+    CPU), "cpu", "cuda" or "cuda:N"."""
+    dtype: str = "auto"
+    """Weights and compute when no engine is given: "auto" (bfloat16 or float16 on a GPU, float32 on
+    the CPU), "float32", "float16" or "bfloat16"."""
     mode: Mode = "block"
     """How passages are used: `block` reuses their cached KV, `full` prefills everything (the
     "stuff" baseline), `blend` reuses it but recomputes the most deviating share of passage tokens
@@ -93,7 +99,7 @@ class ChatKVRag(BaseChatModel):
     @model_validator(mode="after")
     def _load_engine(self) -> "ChatKVRag":
         if self.engine is None:
-            self.engine = KVEngine.shared(self.model)
+            self.engine = KVEngine.shared(self.model, device=self.device, dtype=self.dtype)
         kv_callbacks.register(self)  # documents any retriever returns reach this engine, no user step
         return self
 

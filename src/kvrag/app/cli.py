@@ -35,7 +35,7 @@ def _engine(args):
 
     adapter = None if args.adapter == "none" else args.adapter
     return KVEngine.from_pretrained(args.model, home=args.home, block_context=args.block_context, adapter=adapter,
-                                    adapter_scope=args.adapter_scope)
+                                    adapter_scope=args.adapter_scope, device=args.device, dtype=args.dtype)
 
 
 def _home(args) -> Path:
@@ -195,8 +195,6 @@ def cmd_bench_accuracy(args):
 
 
 def cmd_finetune(args):
-    import torch
-
     from kvrag.eval import data
     from kvrag.train.finetune import TrainConfig, train, training_examples, with_short_contexts, with_unanswerable_share
 
@@ -206,6 +204,8 @@ def cmd_finetune(args):
                          init_adapter=args.init_adapter, distill=args.distill)
     if args.adapter == "auto":  # train from the published weights, not from the shipped adapter
         args.adapter = "none"
+    if args.dtype == "auto":  # LoRA weights and their optimiser state train in float32, on a GPU too
+        args.dtype = "float32"
     dataset = {"split": "train", "n": args.questions, "passages": args.passages, "noise": args.noise, "seed": args.seed,
                "prose": args.prose}
     questions = with_unanswerable_share(data.generate(**dataset), args.unanswerable_share)
@@ -213,8 +213,6 @@ def cmd_finetune(args):
     layouts = _layouts(args.prompts)
     engine = _engine(args)
     examples = training_examples(engine, questions, config.full_attention_share, config.seed, layouts)
-    if torch.cuda.is_available():
-        engine.model.to("cuda")
     print(f"fine-tuning on {len(examples)} generated train questions x {args.passages} passages "
           f"({args.unanswerable_share:.0%} unanswerable), "
           f"{'every weight' if args.full else f'LoRA r={args.lora_r}'}, {args.steps} steps of {args.accumulate} examples")
@@ -259,6 +257,11 @@ class _Help(argparse.ArgumentDefaultsHelpFormatter):
 _MODEL_OPTIONS = {
     "--model": dict(help="local model directory, GGUF file or cached hub id (default: SmolLM2-135M-Instruct)"),
     "--home": dict(help="cache directory (default: $KVRAG_HOME or ~/.cache/kvrag)"),
+    "--device": dict(default="auto", help="'auto' (the first CUDA device torch sees, else the CPU), 'cpu', 'cuda' "
+                                          "or 'cuda:N'"),
+    "--dtype": dict(default="auto", choices=("auto", "float32", "float16", "bfloat16"),
+                    help="weights and compute: 'auto' is bfloat16 on a GPU that has it, else float16; float32 on the "
+                         "CPU"),
     "--block-context": dict(choices=BLOCK_CONTEXTS, default="none",
                             help="what each passage is encoded after: 'none', nothing (exact re-encoding); 'prefix', "
                                  "the shared system prompt, so every block sees the same attention sink"),

@@ -79,6 +79,14 @@ class KVRagLLM(CustomLLM):
     model: str | None = Field(
         default=None, description="Local model directory, GGUF file or cached hub id; None is the embedded default model."
     )
+    device: str = Field(
+        default="auto", description='Where the model runs when no engine is given: "auto" (a CUDA GPU when torch '
+        'sees one, else the CPU), "cpu", "cuda" or "cuda:N".'
+    )
+    dtype: str = Field(
+        default="auto", description='Weights and compute when no engine is given: "auto" (bfloat16 or float16 on a '
+        'GPU, float32 on the CPU), "float32", "float16" or "bfloat16".'
+    )
     mode: Mode = Field(
         default="block",
         description="How passages are used: `block` reuses their cached KV, `full` prefills everything (the "
@@ -101,7 +109,7 @@ class KVRagLLM(CustomLLM):
     def __init__(self, engine: KVEngine | None = None, **kwargs: Any) -> None:
         """`engine`: the engine holding the model and the KV store; `KVEngine.shared(model)` when not given."""
         super().__init__(**kwargs)
-        self._engine = engine if engine is not None else KVEngine.shared(self.model)
+        self._engine = engine if engine is not None else KVEngine.shared(self.model, device=self.device, dtype=self.dtype)
         learning.register(self)  # retrieved nodes reach this engine with no user step
 
     @classmethod

@@ -1,0 +1,124 @@
+"""Loading: device and dtype choices, and a fingerprint hashed once per checkpoint, not on every load."""
+
+import os
+import warnings
+
+import pytest
+import torch
+from tiny import tiny_configs, tiny_model
+
+from kvrag import KVEngine, KVRagError, loading
+
+PASSAGE = "The lighthouse of Varnholm was built in 1873 by the engineer Ilsa Brandt."
+
+
+@pytest.fixture
+def checkpoint(tok, tmp_path):
+    """A tiny Llama saved as a user's checkpoint, and a LoRA adapter for it."""
+    from peft import LoraConfig, get_peft_model
+
+    model_dir, adapter_dir = tmp_path / "model", tmp_path / "adapter"
+    tiny_model(tiny_configs(len(tok))["llama"], 0).save_pretrained(model_dir)
+    tok.save_pretrained(model_dir)
+    with warnings.catch_warnings():  # peft's own set-up here is the test's, not kvrag's
+        warnings.simplefilter("ignore")
+        lora = get_peft_model(tiny_model(tiny_configs(len(tok))["llama"], 1), LoraConfig(r=4, target_modules=["q_proj"]))
+    with torch.no_grad():  # peft starts B at zero, which would make the adapter a no-op
+        for name, p in lora.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.1)
+    lora.save_pretrained(adapter_dir)
+    return model_dir, adapter_dir
+
+
+@pytest.fixture
+def hashes(monkeypatch) -> list:
+    """One entry per full hash of a model's weights."""
+    calls, digest = [], loading.weights_digest
+    monkeypatch.setattr(loading, "weights_digest", lambda model: calls.append(1) or digest(model))
+    return calls
+
+
+def test_auto_device_and_dtype():
+    cuda = torch.cuda.is_available()
+    device = loading.resolve_device("auto")
+    assert device == (torch.device("cuda", 0) if cuda else torch.device("cpu"))
+    assert loading.resolve_dtype("auto", torch.device("cpu")) == torch.float32
+    assert loading.resolve_dtype("bfloat16", device) == loading.resolve_dtype(torch.bfloat16, device) == torch.bfloat16
+    assert loading.resolve_dtype("torch.float16", device) == torch.float16
+
+
+@pytest.mark.parametrize("name", ["gpu", "cuda:x", "mps"])
+def test_unknown_devices_are_refused(name):
+    with pytest.raises(ValueError, match="device must be"):
+        loading.resolve_device(name)
+
+
+def test_cuda_without_a_gpu_says_so():
+    if torch.cuda.is_available():
+        assert loading.resolve_device("cuda") == torch.device("cuda", 0)
+        with pytest.raises(KVRagError, match="sees"):
+            loading.resolve_device(f"cuda:{torch.cuda.device_count()}")
+    else:
+        with pytest.raises(KVRagError, match="sees no CUDA device"):
+            loading.resolve_device("cuda")
+
+
+@pytest.mark.parametrize("dtype", ["float8", "int8", torch.int64, "half-ish"])
+def test_unknown_dtypes_are_refused(dtype):
+    with pytest.raises(ValueError, match="dtype must be"):
+        loading.resolve_dtype(dtype, torch.device("cpu"))
+
+
+def test_dtype_is_part_of_the_fingerprint_and_a_half_model_answers(checkpoint, tmp_path):
+    model_dir, _ = checkpoint
+    home = tmp_path / "home"
+    full = KVEngine.from_pretrained(str(model_dir), device="cpu", dtype="float32", home=home)
+    half = KVEngine.from_pretrained(str(model_dir), device="cpu", dtype="bfloat16", home=home)
+    assert half.model.dtype == torch.bfloat16 and half.pool.dtype == torch.bfloat16
+    assert half.fingerprint != full.fingerprint
+    half.index([PASSAGE], progress=False)
+    result = half.generate("Who built the lighthouse?", [PASSAGE], max_new_tokens=4)
+    assert result.reused_tokens > 0 and result.finish_reason in ("stop", "length")
+
+
+def test_second_load_does_not_hash_the_weights_again(checkpoint, tmp_path, hashes):
+    model_dir, adapter_dir = checkpoint
+    home = tmp_path / "home"
+    first = KVEngine.from_pretrained(str(model_dir), home=home)
+    tuned = KVEngine.from_pretrained(str(model_dir), home=home, adapter=adapter_dir)  # the merged weights: once more
+    assert len(hashes) == 2 and tuned.causal_fingerprint == first.fingerprint != tuned.fingerprint
+    again = KVEngine.from_pretrained(str(model_dir), home=home)
+    tuned_again = KVEngine.from_pretrained(str(model_dir), home=home, adapter=adapter_dir)
+    assert len(hashes) == 2
+    assert again.fingerprint == first.fingerprint and tuned_again.fingerprint == tuned.fingerprint
+    assert again.fingerprint == loading.fingerprint(again.model, again.tokenizer)  # what hashing gives
+    assert tuned.fingerprint == loading.fingerprint(tuned.model, tuned.tokenizer)
+
+
+def test_changed_files_are_hashed_again(checkpoint, tmp_path, hashes, tok):
+    model_dir, adapter_dir = checkpoint
+    home = tmp_path / "home"
+    first = KVEngine.from_pretrained(str(model_dir), home=home).fingerprint
+    weights = model_dir / "model.safetensors"
+    os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 10**9))  # touched: same weights
+    assert KVEngine.from_pretrained(str(model_dir), home=home).fingerprint == first and len(hashes) == 2
+    tiny_model(tiny_configs(len(tok))["llama"], 7).save_pretrained(model_dir)  # other weights in place
+    assert KVEngine.from_pretrained(str(model_dir), home=home).fingerprint != first and len(hashes) == 3
+    config = adapter_dir / "adapter_config.json"  # an adapter edited after its first merge
+    config.write_text(config.read_text().replace('"lora_alpha": 8', '"lora_alpha": 16'))
+    before = KVEngine.from_pretrained(str(model_dir), home=home, adapter=adapter_dir).fingerprint
+    config.write_text(config.read_text().replace('"lora_alpha": 16', '"lora_alpha": 32'))
+    assert KVEngine.from_pretrained(str(model_dir), home=home, adapter=adapter_dir).fingerprint != before
+
+
+@pytest.mark.parametrize("planted", [b"", b"\x00\xff garbage", b"[1, 2]", b'{"weights": "../../etc"}',
+                                     b'{"weights": 12}', b"{" * 100_000])
+def test_damaged_or_planted_remembered_fingerprints_are_hashed_again(checkpoint, tmp_path, hashes, planted):
+    model_dir, _ = checkpoint
+    home = tmp_path / "home"
+    first = KVEngine.from_pretrained(str(model_dir), home=home).fingerprint
+    [remembered] = (home / "fingerprints").iterdir()
+    remembered.write_bytes(planted)
+    assert KVEngine.from_pretrained(str(model_dir), home=home).fingerprint == first and len(hashes) == 2
+    assert KVEngine.from_pretrained(str(model_dir), home=home).fingerprint == first and len(hashes) == 2  # rewritten
