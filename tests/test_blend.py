@@ -5,7 +5,7 @@ import pytest
 import torch
 from conftest import ARCHS
 from test_invariants import question_logits, random_prompt
-from tiny import tiny_configs, tiny_model
+from tiny import TOLERANCE, tiny_configs, tiny_model
 
 from kvrag import BlendConfig, KVEngine
 from kvrag.blend import prefill
@@ -33,12 +33,13 @@ def blend_logits(engine, prompt, **settings):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_blend_endpoints_are_full_and_block(make_engine, tok, arch):
-    engine = make_engine(arch)
+def test_blend_endpoints_are_full_and_block(make_engine, tok, arch, device):
+    engine = make_engine(arch, device=device)
     prompt = random_prompt(len(tok))
     full, block = question_logits(engine, prompt, "full"), question_logits(engine, prompt, "block")
-    torch.testing.assert_close(blend_logits(engine, prompt, recompute_ratio=1.0), full, rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(blend_logits(engine, prompt, recompute_ratio=0.0), block, rtol=1e-4, atol=1e-4)
+    tolerance = TOLERANCE[engine.model.dtype]
+    torch.testing.assert_close(blend_logits(engine, prompt, recompute_ratio=1.0), full, rtol=tolerance, atol=tolerance)
+    torch.testing.assert_close(blend_logits(engine, prompt, recompute_ratio=0.0), block, rtol=tolerance, atol=tolerance)
     # in between the selection pass runs, and the result lies between the two
     half = blend_logits(engine, prompt, recompute_ratio=0.5)
     assert (half[-1] - full[-1]).norm() < (block[-1] - full[-1]).norm()

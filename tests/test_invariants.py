@@ -3,7 +3,7 @@
 import pytest
 import torch
 from conftest import ARCHS
-from tiny import block_mask, tiny_configs, tiny_model
+from tiny import TOLERANCE, block_mask, tiny_configs, tiny_model
 from transformers import DynamicCache
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
@@ -36,33 +36,38 @@ def block_attention_reference(model, prompt):
     return out.logits[0, -len(prompt.question) :]
 
 
+def assert_equal_logits(got, reference):
+    """Equal up to the compute dtype's rounding; `got` may be on any device, the reference on the CPU."""
+    tolerance = TOLERANCE[got.dtype]
+    torch.testing.assert_close(got.cpu(), reference.to(got.dtype), rtol=tolerance, atol=tolerance)
+
+
 @pytest.mark.parametrize("arch", ARCHS)
-def test_block_mode_equals_block_attention_mask(make_engine, tok, arch):
-    engine = make_engine(arch)
+def test_block_mode_equals_block_attention_mask(make_engine, tok, arch, device):
+    engine = make_engine(arch, device=device)
     prompt = random_prompt(len(tok))
     reference = block_attention_reference(tiny_model(tiny_configs(len(tok))[arch]), prompt)
-    got = question_logits(engine, prompt, "block")
-    torch.testing.assert_close(got, reference, rtol=1e-4, atol=1e-4)
+    assert_equal_logits(question_logits(engine, prompt, "block"), reference)
     # the same blocks again, now all from the store, in another order: still exact
     swapped = Prompt(prompt.prefix, prompt.blocks[::-1], prompt.question)
     reference = block_attention_reference(tiny_model(tiny_configs(len(tok))[arch]), swapped)
-    torch.testing.assert_close(question_logits(engine, swapped, "block"), reference, rtol=1e-4, atol=1e-4)
+    assert_equal_logits(question_logits(engine, swapped, "block"), reference)
 
 
 @pytest.mark.parametrize("arch", ["llama", "llama3-scaled"])
-def test_positions_matter(make_engine, tok, arch):
+def test_positions_matter(make_engine, tok, arch, device):
     """Without re-encoding (composite) the same check fails: the reference is sensitive to positions."""
-    engine = make_engine(arch)
+    engine = make_engine(arch, device=device)
     prompt = random_prompt(len(tok))
     reference = block_attention_reference(tiny_model(tiny_configs(len(tok))[arch]), prompt)
-    assert (question_logits(engine, prompt, "composite") - reference).abs().max() > 1e-2
+    assert (question_logits(engine, prompt, "composite").cpu() - reference).abs().max() > 1e-2
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_prefix_block_context_matches_its_definition(make_engine, tok, arch):
+def test_prefix_block_context_matches_its_definition(make_engine, tok, arch, device):
     """Block context 'prefix': each passage is encoded right after the prefix (positions P..), then
     rotated to where it sits. Built here with plain transformers calls and the model's own rotary module."""
-    engine = make_engine(arch, block_context="prefix")
+    engine = make_engine(arch, device=device, block_context="prefix")
     model = tiny_model(tiny_configs(len(tok))[arch])
     prompt = random_prompt(len(tok))
     P = len(prompt.prefix)
@@ -88,10 +93,10 @@ def test_prefix_block_context_matches_its_definition(make_engine, tok, arch):
             position_ids=torch.arange(position, position + q)[None],
             attention_mask=causal_mask(q, position, torch.float32),
         ).logits[0]
-    torch.testing.assert_close(question_logits(engine, prompt, "block"), reference, rtol=1e-4, atol=1e-4)
+    assert_equal_logits(question_logits(engine, prompt, "block"), reference)
     # and it really is a different definition from block context 'none'
-    none = make_engine(arch, home=engine.home / "none")
-    assert (question_logits(none, prompt, "block") - reference).abs().max() > 1e-3
+    none = make_engine(arch, device=device, home=engine.home / "none")
+    assert (question_logits(none, prompt, "block").cpu() - reference).abs().max() > 1e-3
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -114,10 +119,10 @@ def test_full_mode_is_plain_generation(make_engine, tok, arch):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_prefix_mode_is_full_prefill(make_engine, tok, arch):
+def test_prefix_mode_is_full_prefill(make_engine, tok, arch, device):
     """Prefix caching is exact: a request that reuses cached leading blocks and computes a long rest
     after them (here 86 tokens after 47) gets full prefill's logits."""
-    engine = make_engine(arch)
+    engine = make_engine(arch, device=device)
     first = random_prompt(len(tok), [7, 40, 50, 30, 6])
     state = engine.prefill(first, "prefix")
     engine.store_pending(state, "prefix")  # as a finished request does
@@ -127,7 +132,7 @@ def test_prefix_mode_is_full_prefill(make_engine, tok, arch):
     state = engine.prefill(second, "prefix", all_logits=True)
     try:
         assert state.reused_tokens == 47 and state.prefilled_tokens == 86
-        torch.testing.assert_close(state.logits, question_logits(engine, second, "full"), rtol=1e-4, atol=1e-4)
+        assert_equal_logits(state.logits, question_logits(engine, second, "full").cpu())
     finally:
         engine.release(state)
 

@@ -1,5 +1,5 @@
-"""KV store: the disk round trip, damaged files, interrupted writes, the memory tier's budget.
-Store objects alone, on made-up blocks: no model."""
+"""KV store: the disk round trip, damaged files, interrupted writes, the memory and device tiers'
+budgets, pinned host copies for a GPU, the storage dtype. Store objects alone, on made-up blocks: no model."""
 
 import os
 import struct
@@ -7,25 +7,32 @@ import warnings
 
 import pytest
 import torch
+from safetensors import safe_open
 
-from kvrag.store import DiskTier, KVStore, MemoryTier
+from kvrag.store import DiskTier, KVBlock, KVStore, MemoryTier, default_storage_dtype
 from kvfiles import DAMAGES, assert_same_block, damage, header_metadata, kv_files, kvrag_warnings, make_block
 
 
+SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_store_round_trip_fresh_store(tmp_path, dtype):
+def test_store_round_trip_fresh_store(tmp_path, dtype, device):
     fp = "f" * 64
     block = make_block(7, fill=0.5, dtype=dtype, start=11)
-    writer = KVStore(fp, tmp_path)
+    writer = KVStore(fp, tmp_path, device=device)
     key = writer.key("none", block.token_ids)
     writer.put(key, "none", block)
     assert writer.disk.path(key).is_file()
+    with safe_open(writer.disk.path(key), framework="pt") as f:  # the file records the storage dtype
+        assert {f.get_slice(name).get_dtype() for name in ("keys", "values")} == {SAFETENSORS_DTYPES[dtype]}
 
-    reader = KVStore(fp, tmp_path)
+    reader = KVStore(fp, tmp_path, device=device)
     assert len(reader.memory) == 0 and key in reader
     got, tier = reader.get(key, "none")
     assert tier == "disk"
     assert_same_block(got, block)
+    assert got.keys.is_pinned() == got.values.is_pinned() == (device == "cuda")  # read into pinned memory for a GPU
     meta = header_metadata(reader.disk.path(key))
     assert meta["fingerprint"] == fp and meta["key"] == key and meta["context"] == "none"
 
@@ -34,15 +41,16 @@ def test_store_round_trip_fresh_store(tmp_path, dtype):
     assert_same_block(again, block)
 
     # the same key asked for under another context is not served
-    other = KVStore(fp, tmp_path)
+    other = KVStore(fp, tmp_path, device=device)
     with pytest.warns(RuntimeWarning, match="context"):
         assert other.get(key, "prefix:abc") == (None, "miss")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("how", DAMAGES)
-def test_store_damaged_file_is_a_miss(tmp_path, how):
+def test_store_damaged_file_is_a_miss(tmp_path, how, dtype):
     fp = "a" * 64
-    block = make_block(9, fill=1.0)
+    block = make_block(9, fill=1.0, dtype=dtype)
     key = KVStore(fp, tmp_path).key("none", block.token_ids)
     KVStore(fp, tmp_path).put(key, "none", block)
     path = DiskTier(tmp_path, fp).path(key)
@@ -154,3 +162,97 @@ def test_oversized_block_served_from_disk(tmp_path):
         assert_same_block(got, huge)
         assert store.memory.used <= store.memory.budget
     assert store.get(store.key("small", small.token_ids), "small")[1] == "memory"
+
+
+def test_default_storage_dtype_follows_a_half_precision_model():
+    assert default_storage_dtype(torch.bfloat16) == torch.bfloat16
+    assert default_storage_dtype(torch.float16) == torch.float16
+    assert default_storage_dtype(torch.float32) == torch.float16
+    assert default_storage_dtype(torch.float64) == torch.float16
+
+
+def test_memory_tier_keeps_host_copies_pinned_for_a_gpu(tmp_path, device):
+    """Whatever `put` is given (a host block, or one on the device), the memory tier keeps it on the
+    host, pinned where the store serves a GPU; `host_copy` makes such copies in the storage dtype."""
+    fp = "9" * 64
+    store = KVStore(fp, tmp_path, device=device)
+    block = make_block(5, fill=2.0)
+    on_device = KVBlock(block.token_ids, block.keys.to(device), block.values.to(device), block.start)
+    for context, given in (("host", block), ("device", on_device)):
+        key = store.key(context, block.token_ids)
+        store.put(key, context, given)
+        kept = store.memory.get(key)
+        assert kept.keys.device.type == kept.values.device.type == "cpu"
+        assert kept.keys.is_pinned() == kept.values.is_pinned() == (device == "cuda")
+        assert_same_block(kept, block)
+        assert_same_block(KVStore(fp, tmp_path).get(key, context)[0], block)  # and so is the file
+    copy = store.host_copy(on_device.keys[:, :, 1:4], torch.bfloat16)
+    assert copy.device.type == "cpu" and copy.dtype == torch.bfloat16 and copy.is_pinned() == (device == "cuda")
+    assert torch.equal(copy, block.keys[:, :, 1:4].to(torch.bfloat16))
+    same_dtype = store.host_copy(block.keys, block.keys.dtype)  # a copy even where no conversion is needed
+    assert torch.equal(same_dtype, block.keys) and same_dtype.data_ptr() != block.keys.data_ptr()
+
+
+# Devices apart from the host, for the device tier: "meta" is in every build of torch; its tensors hold no
+# data, which the tier's bookkeeping does not need.
+ACCELERATORS = ["meta", *(["cuda"] if torch.cuda.is_available() else [])]
+
+
+@pytest.mark.parametrize("accelerator", ACCELERATORS)
+def test_device_tier_keeps_the_most_recent_blocks_within_its_budget(tmp_path, accelerator):
+    fp = "e" * 64
+    blocks = {name: make_block(6, fill=i) for i, name in enumerate("abc")}
+    size = blocks["a"].nbytes
+    store = KVStore(fp, tmp_path, device=accelerator, device_budget=2 * size + size // 2)  # two blocks, not three
+    keys = {name: store.key(name, block.token_ids) for name, block in blocks.items()}
+
+    def on_device():
+        tier = store.device_tier
+        assert tier.used <= tier.budget and tier.used == sum(b.nbytes for b in tier._blocks.values())
+        return sorted(name for name, key in keys.items() if key in tier)
+
+    def get(name, expected_tier):
+        block, tier = store.get(keys[name], name)
+        assert tier == expected_tier
+        assert block.keys.device.type == block.values.device.type == accelerator  # the copy nearest the device
+        assert block.token_ids.device.type == "cpu"  # read as lists: never moved
+        if accelerator != "meta":
+            assert torch.equal(block.keys.cpu(), blocks[name].keys)
+            assert torch.equal(block.values.cpu(), blocks[name].values)
+        return block
+
+    for name, block in blocks.items():
+        store.put(keys[name], name, block)
+    assert len(store.memory) == 3 and on_device() == ["b", "c"]  # a, the least recently put, left the device
+    assert store.memory.get(keys["a"]).keys.device.type == "cpu"
+    get("c", "device")
+    get("a", "memory")  # from memory, and onto the device: b, least recently used there, leaves
+    assert on_device() == ["a", "c"]
+    get("a", "device")
+    get("b", "memory")
+    assert on_device() == ["a", "b"] and all(key in store for key in keys.values())
+
+    fresh = KVStore(fp, tmp_path, device=accelerator, device_budget=store.device_tier.budget)
+    store = fresh
+    get("c", "disk")  # from disk into memory and onto the device
+    assert keys["c"] in store.memory and on_device() == ["c"]
+    get("c", "device")
+
+    # a block larger than the device budget is served from memory and leaves the device tier as it was
+    huge = make_block(40)
+    keys["huge"], blocks["huge"] = store.key("huge", huge.token_ids), huge
+    store.put(keys["huge"], "huge", huge)
+    assert huge.nbytes > store.device_tier.budget and on_device() == ["c"]
+    get("huge", "memory")
+    assert on_device() == ["c"]
+
+
+def test_no_device_tier_on_the_host(tmp_path):
+    """On the CPU host memory is the device's: a device budget adds no second copy."""
+    store = KVStore("8" * 64, tmp_path, device="cpu", device_budget=1 << 20)
+    block = make_block(4)
+    key = store.key("none", block.token_ids)
+    store.put(key, "none", block)
+    assert store.device_tier is None and not store.pinned
+    got, tier = store.get(key, "none")
+    assert got is block and tier == "memory"

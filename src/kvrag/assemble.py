@@ -21,23 +21,27 @@ class Piece:
     position: int  # where the block's first token sits in the assembled prompt
 
 
-def fill(workspace: Workspace, pieces: list[Piece], inv_freq: torch.Tensor) -> int:
-    """Copy the pieces' KV into consecutive workspace slots; return the number of slots filled."""
-    slot, lib = 0, kernels.library()
+def fill(workspace: Workspace, pieces: list[Piece], inv_freq: torch.Tensor, slot: int = 0) -> int:
+    """Copy the pieces' KV into consecutive workspace slots from `slot`; return the slot after them.
+
+    On a GPU nothing here waits for the device: blocks come from pinned host memory (or are on the
+    device already) through `non_blocking` copies and the rotation runs on the device, so the caller
+    goes on to fetch the next block while this one is copied."""
+    lib = kernels.library()
     for piece in pieces:
         block, n = piece.block, len(piece.block)
         keys = workspace.keys[:, 0, :, slot : slot + n]  # [layers, kv_heads, n, head_dim]
         values = workspace.values[:, 0, :, slot : slot + n]
         delta = piece.position - block.start
-        cos, sin = delta_cos_sin(torch.tensor([delta]), inv_freq, keys.dtype)
+        cos, sin = delta_cos_sin(delta, inv_freq, keys.dtype)
         if lib and kernels.fill_applies(block.keys, block.values, keys, values):
             kernels.fill_block(lib, block.keys, block.values, keys, values, cos, sin)
         else:
             if delta == 0:
-                keys.copy_(block.keys)
+                keys.copy_(block.keys, non_blocking=True)
             else:
-                shift_keys(block.keys, cos.to(keys.device), sin.to(keys.device), out=keys)
-            values.copy_(block.values)
+                shift_keys(block.keys, cos, sin, out=keys)
+            values.copy_(block.values, non_blocking=True)
         slot += n
     return slot
 
@@ -96,10 +100,10 @@ class Blocks:
             self.pool.release(ws)
 
     def copy_out(self, ws: Workspace, slot: int, ids: list[int]) -> KVBlock:
-        """A stored copy of the KV that `ids` left in workspace slots slot.. (keys as encoded there)."""
+        """A stored copy of the KV that `ids` left in workspace slots slot.. (keys as encoded there): on
+        the host in the storage dtype, pinned for a GPU, and complete when this returns."""
         span = slice(slot, slot + len(ids))
-        keys = ws.keys[:, 0, :, span].to(self.storage_dtype, copy=True)
-        values = ws.values[:, 0, :, span].to(self.storage_dtype, copy=True)
+        keys, values = (self.store.host_copy(t[:, 0, :, span], self.storage_dtype) for t in (ws.keys, ws.values))
         return KVBlock(torch.tensor(ids, dtype=torch.long), keys, values, slot)
 
     def fetch(self, key: str, context: str, ids: list[int], after: list[int] | None = None, hits: dict | None = None,
@@ -116,19 +120,18 @@ class Blocks:
     def assemble(self, prompt, keys: list[str], ws: Workspace, reorder: bool = True):
         """Write the prefix's and blocks' KV into `ws`, each block moved to where it sits (`reorder`)
         or left where it was encoded. Returns the slots filled, a bool per slot telling whether its KV
-        came from the store, and the hits per tier."""
+        came from the store, and the hits per tier. Each block is written as soon as it is fetched: on a
+        GPU its copy runs while the next one is fetched."""
         hits: dict[str, int] = {}
         context, after = self.context(prompt.prefix), self.encoded_after(prompt.prefix)
         parts = [(self.store.key("none", prompt.prefix), "none", prompt.prefix, None)] if prompt.prefix else []
         parts += [(k, context, ids, after) for k, ids in zip(keys, prompt.blocks)]
-        pieces, position, stored = [], 0, []
+        slot, stored = 0, []
         for n, (key, ctx, ids, encoded_after) in enumerate(parts):
             prefix = n == 0 and bool(prompt.prefix)
             block, tier = self.fetch(key, ctx, ids, encoded_after, hits, disk=not prefix)
             if prefix and not self.store.persisted(key) and self._recurs(key):  # a prefix: to disk from its second sight
                 self.store.put(key, ctx, block)
-            pieces.append(Piece(block, position if reorder else block.start))
-            position += len(block)
+            slot = fill(ws, [Piece(block, slot if reorder else block.start)], self.inv_freq, slot)
             stored += [tier != "computed"] * len(block)
-        fill(ws, pieces, self.inv_freq)
-        return position, torch.tensor(stored, dtype=torch.bool), hits
+        return slot, torch.tensor(stored, dtype=torch.bool), hits

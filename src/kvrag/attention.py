@@ -7,14 +7,23 @@ must come with an explicit mask: relying on `is_causal` there silently aligns th
 to the wrong corner (TurboRAG's bug).
 
 `forward` tells the attention how many cached keys the new tokens follow (`kvrag_cached`, an
-argument transformers hands down to every layer's attention). Under that plain causal pattern a
-question over a long cache goes to the C kernel of `kernels.py` where it applies, and a long run
+argument transformers hands down to every layer's attention). On CPU, under that plain causal pattern
+a question over a long cache goes to the C kernel of `kernels.py` where it applies, and a long run
 after a few cached keys to flash attention's causal path; any other mask (blend, training) is read
 as given.
+
+On CUDA every case goes to a fused kernel (`_fused`) that reads the grouped heads in place. Under
+the plain causal pattern a single query (decoding) needs no mask, and a longer run (a question, prefix
+mode's rest) goes to flash attention, aligned to the bottom-right corner through `causal_lower_right`.
+Any other mask (blend's recompute, fine-tuning's blocks), and whatever flash does not take (float32),
+goes to memory-efficient attention, which reads masks, with the query heads of each key/value head
+stacked as its query rows (`_folded`) so that the head counts match.
 """
 
 import torch
 import torch.nn.functional as F
+from torch.backends.cuda import SDPAParams, can_use_flash_attention
+from torch.nn.attention.bias import causal_lower_right
 from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
@@ -22,6 +31,11 @@ from . import kernels
 
 NAME = "kvrag_sdpa"
 QUERY_CHUNK = 64
+FUSED_DEVICES = {"cuda"}
+"""Devices whose attention runs through `_fused`; the tests add "cpu" to check its tensor logic there."""
+MASK_ALIGNMENT = 16
+"""Memory-efficient attention reads a mask whose rows start at multiples of this many elements; SDPA pads a copy
+of any other."""
 
 
 def mask(positions: torch.Tensor, keys: int, dtype: torch.dtype, blocks: torch.Tensor | None = None) -> torch.Tensor:
@@ -72,6 +86,8 @@ def grouped_sdpa_attention(module, query, key, value, attention_mask, dropout=0.
         raise RuntimeError(f"{q_len} queries after {kv_len - q_len} cached keys need an explicit attention mask")
     if attention_mask is not None and attention_mask.dtype != torch.bool:
         attention_mask = attention_mask.to(query.dtype)
+    if query.device.type in FUSED_DEVICES:
+        return _fused(query, key, value, attention_mask, after_cache, dropout, scaling), None
     options = dict(dropout_p=dropout, scale=scaling, enable_gqa=query.shape[1] != key.shape[1])
     if after_cache and QUERY_CHUNK < q_len and kvrag_cached <= q_len:
         out = _causal_after(query, key, value, kvrag_cached, options)
@@ -109,6 +125,66 @@ def _rows(query, key, value, mask, rows: slice, options) -> torch.Tensor:
     return F.scaled_dot_product_attention(
         query[:, :, rows], key[:, :, :extent], value[:, :, :extent], attn_mask=mask[..., rows, :extent], **options
     )
+
+
+def _fused(query, key, value, mask, after_cache: bool, dropout: float, scale) -> torch.Tensor:
+    """Attention on SDPA's fused kernels, grouped heads read in place; returns [batch, queries, heads, dim].
+
+    Under the plain causal pattern (after the cache, or with no mask at all) one query sees every key:
+    its heads fold into rows with no mask. Longer runs take flash attention's causal path, which puts the
+    triangle in the bottom-right corner only through `causal_lower_right` (`is_causal` would put it
+    top-left, and flash refuses it for unequal lengths); flash reads grouped heads natively but takes no
+    mask. The rest goes folded, with its mask (the causal one where flash does not apply), to
+    memory-efficient attention."""
+    q_len, kv_len = query.shape[2], key.shape[2]
+    causal = after_cache or mask is None
+    if causal and q_len == 1:
+        return _folded(query, key, value, None, dropout, scale)
+    if causal and _flash_applies(query, key, value, dropout):
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=causal_lower_right(q_len, kv_len),
+                                             dropout_p=dropout, scale=scale, enable_gqa=query.shape[1] != key.shape[1])
+        return out.transpose(1, 2).contiguous()
+    if mask is None:
+        mask = causal_mask(q_len, kv_len - q_len, query.dtype, query.device)
+    return _folded(query, key, value, mask, dropout, scale)
+
+
+def _flash_applies(query, key, value, dropout: float) -> bool:
+    """Whether flash attention takes these tensors as they are, grouped heads and no mask (not float32)."""
+    grouped = query.shape[1] != key.shape[1]
+    return can_use_flash_attention(SDPAParams(query, key, value, None, dropout, False, grouped))
+
+
+def _folded(query, key, value, mask, dropout: float, scale) -> torch.Tensor:
+    """Grouped attention with the query heads of each key/value head stacked as its rows; [batch, queries, heads, dim].
+
+    Query head h reads key/value head h // groups, as `enable_gqa` has it. Stacked, the head counts
+    match, so any fused kernel takes them and reads the cache in place, whether or not it reads grouped
+    heads itself (memory-efficient attention does not in every torch build, and SDPA then falls back to
+    the math kernel, which repeats them). A mask, the same for the heads of a group, has its rows
+    repeated once per group (`_fold_mask`); a single query after the cache needs none."""
+    batch, heads, q_len, dim = query.shape
+    kv_heads = key.shape[1]
+    groups = heads // kv_heads
+    rows = query.reshape(batch, kv_heads, groups * q_len, dim)
+    if mask is not None:
+        mask = _fold_mask(mask, groups, q_len, kv_heads, query.dtype)
+    out = F.scaled_dot_product_attention(rows, key, value, attn_mask=mask, dropout_p=dropout, scale=scale)
+    return out.unflatten(2, (groups, q_len)).permute(0, 3, 1, 2, 4).reshape(batch, q_len, heads, value.shape[3])
+
+
+def _fold_mask(mask, groups: int, q_len: int, kv_heads: int, dtype) -> torch.Tensor:
+    """`mask` [batch, 1 or heads, 1 or q_len, keys] on `_folded`'s rows, as memory-efficient attention reads
+    a mask without a copy of its own: additive, in the queries' `dtype`, rows MASK_ALIGNMENT-aligned."""
+    batch, mask_heads, _, keys = mask.shape
+    if mask.dtype == torch.bool:
+        mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, torch.finfo(dtype).min)
+    rows = mask.expand(batch, mask_heads, q_len, keys)
+    rows = rows[:, :, None] if mask_heads == 1 else rows.unflatten(1, (kv_heads, groups))
+    width = -(-keys // MASK_ALIGNMENT) * MASK_ALIGNMENT
+    folded = torch.empty(batch, rows.shape[1], groups * q_len, width, dtype=dtype, device=mask.device)[..., :keys]
+    folded.unflatten(2, (groups, q_len)).copy_(rows)
+    return folded
 
 
 AttentionInterface.register(NAME, grouped_sdpa_attention)

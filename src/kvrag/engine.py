@@ -24,7 +24,7 @@ from .errors import ContextOverflowError, EmptyInputError, UnknownBlockError
 from .match import PassageMatcher
 from .paths import kvrag_home
 from .prompt import Prompt, PromptFormat, PromptLayout, check_text
-from .store import KVStore
+from .store import KVStore, default_storage_dtype
 from .workspace import WorkspacePool
 
 ADAPTER_SCOPES = ("block", "all")
@@ -36,25 +36,28 @@ _SHARED_LOCK = threading.Lock()
 
 class KVEngine:
     def __init__(self, model, tokenizer, *, causal_model=None, block_context: str = "none",
-                 storage_dtype: torch.dtype = torch.float16, memory_budget: int = 1 << 30,
+                 storage_dtype: torch.dtype | None = None, memory_budget: int = 1 << 30, device_budget: int = 0,
                  prompt_format: PromptFormat | None = None, home: str | Path | None = None, persist: bool = True,
                  fingerprint: str | None = None, causal_fingerprint: str | None = None,
                  blend: BlendConfig | None = None):
         """`causal_model`: other weights for the causal modes (full, prefix), say the published ones when
         `model` carries a block-tuned adapter (default: `model` in every mode). The engine runs on the
-        model's device. `fingerprint`, `causal_fingerprint`: the models' `loading.fingerprint`s, when
-        known (computed otherwise). `blend`: the default of blend mode's settings (each request may pass
-        its own)."""
+        model's device. `storage_dtype`: the stored KV's (default: the model's half dtype, else float16).
+        `memory_budget`: bytes of KV kept in (host) memory; `device_budget`: bytes kept on the GPU besides,
+        the most used blocks (each per weight set). `fingerprint`, `causal_fingerprint`: the models'
+        `loading.fingerprint`s, when known (computed otherwise). `blend`: the default of blend mode's
+        settings (each request may pass its own)."""
         loading.check_supported(model.config)
         if block_context not in BLOCK_CONTEXTS:
             raise ValueError(f"block_context must be one of {BLOCK_CONTEXTS}, got {block_context!r}")
         self.model, self.tokenizer = loading.prepare(model), tokenizer
-        self.block_context, self.storage_dtype = block_context, storage_dtype
+        self.block_context = block_context
+        self.storage_dtype = storage_dtype = storage_dtype or default_storage_dtype(model.dtype)
         self.layout = PromptLayout(tokenizer, prompt_format)
         self.fingerprint = fingerprint or loading.fingerprint(model, tokenizer)
         self.home = Path(home) if home is not None else kvrag_home()
         root = self.home / "kv" / self.fingerprint[:16] if persist else None
-        self.store = KVStore(self.fingerprint, root, memory_budget)
+        self.store = KVStore(self.fingerprint, root, memory_budget, device=model.device, device_budget=device_budget)
         config = model.config
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.pool = WorkspacePool(config.num_hidden_layers, config.num_key_value_heads, head_dim, model.dtype, model.device)
@@ -66,7 +69,8 @@ class KVEngine:
             self.causal_model = loading.prepare(causal_model)
             self.causal_fingerprint = causal_fingerprint or loading.fingerprint(causal_model, tokenizer)
             causal_root = self.home / "kv" / self.causal_fingerprint[:16] if persist else None
-            self.causal_store = KVStore(self.causal_fingerprint, causal_root, memory_budget)
+            self.causal_store = KVStore(self.causal_fingerprint, causal_root, memory_budget, device=causal_model.device,
+                                        device_budget=device_budget)
             self.causal_blocks = Blocks(self.causal_model, self.causal_store, self.pool, storage_dtype, block_context)
         self.passages = PassageMatcher(root / "passages.sqlite" if root is not None else None)
         self.context_window = loading.context_window(config)

@@ -86,21 +86,20 @@ def prefix(blocks: Blocks, prompt: Prompt, keys, ws: Workspace, keep: int, confi
         parent = store.key(f"chain:{parent}", ids)
         chain.append(parent)
     contexts = [f"chain:{chain[i - 1] if i else ''}" for i in range(len(chain))]
-    pieces, position = [], 0
+    matched, position = 0, 0
     for key, context in zip(chain, contexts):
         found, tier = store.get(key, context)
         if found is None:
             break
         hits[tier] = hits.get(tier, 0) + 1
-        pieces.append(Piece(found, position))
-        position += len(found)
+        position = fill(ws, [Piece(found, position)], blocks.inv_freq, position)  # copied while the next is fetched
+        matched += 1
     reused = position
-    fill(ws, pieces, blocks.inv_freq)
     cache = ws.cache(position)
-    rest = [t for ids in segments[len(pieces) :] for t in ids] + prompt.question
+    rest = [t for ids in segments[matched:] for t in ids] + prompt.question
     logits = forward(blocks.model, rest, cache, position, keep)
     pending, slot = [], position
-    for i in range(len(pieces), len(segments)):
+    for i in range(matched, len(segments)):
         hits["computed"] = hits.get("computed", 0) + 1
         pending.append((chain[i], contexts[i], slot, segments[i]))
         slot += len(segments[i])

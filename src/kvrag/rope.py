@@ -31,12 +31,14 @@ def check_composable(config) -> None:
         )
 
 
-def delta_cos_sin(delta: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype):
-    """cos/sin of the pure rotation by `delta` positions, one column per frequency: [n, head_dim // 2].
+def delta_cos_sin(delta: int, inv_freq: torch.Tensor, dtype: torch.dtype):
+    """cos/sin of the pure rotation by `delta` positions, one column per frequency: [1, head_dim // 2],
+    on `inv_freq`'s device.
 
-    Angles are computed in float64 so that large deltas lose no precision before the cast.
+    Angles are computed in float64 so that large deltas lose no precision before the cast. `delta` is
+    a Python number: on a GPU a tensor made from it would be copied over, waiting for the copies queued.
     """
-    angles = delta.to(torch.float64)[:, None] * inv_freq.to(torch.float64)[None, :]
+    angles = inv_freq.to(torch.float64)[None, :] * delta
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
@@ -44,11 +46,12 @@ def shift_keys(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: to
     """Write keys [..., n, head_dim] rotated by cos/sin [n or 1, head_dim // 2] into `out`.
 
     transformers pairs dimension i with i + head_dim/2 (rotate_half). Copying first (which also
-    converts from the storage dtype) and rotating in place in the compute dtype is about twice as
-    fast on CPU as mixed-dtype arithmetic straight from the stored tensor.
+    converts from the storage dtype, and moves host keys to `out`'s device) and rotating in place in
+    the compute dtype is about twice as fast on CPU as mixed-dtype arithmetic straight from the
+    stored tensor.
     """
     half = keys.shape[-1] // 2
-    out.copy_(keys)
+    out.copy_(keys, non_blocking=True)  # from pinned host memory a GPU copies asynchronously
     first, second = out[..., :half], out[..., half:]
     first_before = first.clone()
     first.mul_(cos).addcmul_(second, sin, value=-1)

@@ -1,10 +1,13 @@
-"""Content-addressed KV store: an in-process LRU under a byte budget, then safetensors files.
+"""Content-addressed KV store: in-process LRUs under byte budgets, then safetensors files.
 
 A block's key hashes the model fingerprint, the block context and the token ids, so KV from
 another model, tokenizer, template or context can never be found under the same key. Files
 are written to a temporary name and renamed into place, so readers and concurrent writers only
 ever see complete files; each file's header repeats the fingerprint, key, context and a
 checksum, and a file that fails any check is deleted and reported as a miss.
+
+For a model on a GPU the host copies sit in pinned memory, from which the GPU copies blocks
+asynchronously, and an optional device tier keeps the most recently used blocks on the GPU itself.
 """
 
 import hashlib
@@ -57,6 +60,13 @@ def block_key(fingerprint: str, context: str, token_ids) -> str:
     return h.hexdigest()[:32]
 
 
+def default_storage_dtype(model_dtype: torch.dtype) -> torch.dtype:
+    """The dtype blocks are stored in unless the engine is told otherwise: a half-precision model's own,
+    so that a block reaches a GPU workspace without a conversion, and float16 for anything wider (half the
+    bytes of float32 in memory and on disk, and what the CPU's fill kernel reads)."""
+    return model_dtype if model_dtype in (torch.float16, torch.bfloat16) else torch.float16
+
+
 def _checksum(tensors: dict[str, torch.Tensor]) -> str:
     crc = 0
     for name in sorted(tensors):
@@ -65,7 +75,8 @@ def _checksum(tensors: dict[str, torch.Tensor]) -> str:
 
 
 class MemoryTier:
-    """Least-recently-used blocks, evicted once their total size exceeds the byte budget."""
+    """Least-recently-used blocks, evicted once their total size exceeds the byte budget; the blocks
+    may sit in host or device memory (the store's memory and device tiers)."""
 
     def __init__(self, budget_bytes: int):
         self.budget = budget_bytes
@@ -171,37 +182,80 @@ class DiskTier:
 
 
 class KVStore:
-    """Memory tier in front of an optional disk tier; `get` reports which tier answered."""
+    """A device tier, a memory tier and an optional disk tier; `get` reports which tier answered.
 
-    def __init__(self, fingerprint: str, root: Path | None = None, memory_budget: int = 1 << 30):
+    `device` is the model's. On a GPU the memory tier holds blocks in pinned host memory, so that a
+    block's copy into the workspace runs asynchronously while the next one is fetched, and the device
+    tier (`device_budget` bytes, 0 for none) holds the most recently used blocks on the GPU itself. On
+    the CPU host memory is the device's: nothing is pinned and there is no device tier.
+    Block token ids always stay on the host: they are read as Python lists.
+    """
+
+    def __init__(self, fingerprint: str, root: Path | None = None, memory_budget: int = 1 << 30, *,
+                 device: str | torch.device | None = None, device_budget: int = 0):
         self.fingerprint = fingerprint
+        self.device = torch.device(device if device is not None else "cpu")
+        self.pinned = self.device.type == "cuda"
         self.memory = MemoryTier(memory_budget)
+        self.device_tier = MemoryTier(device_budget) if self.device.type != "cpu" and device_budget > 0 else None
         self.disk = DiskTier(root, fingerprint) if root is not None else None
 
     def key(self, context: str, token_ids) -> str:
         return block_key(self.fingerprint, context, token_ids)
 
     def __contains__(self, key: str) -> bool:
-        return key in self.memory or (self.disk is not None and key in self.disk)
+        return (key in self.memory or (self.device_tier is not None and key in self.device_tier)
+                or (self.disk is not None and key in self.disk))
 
     def persisted(self, key: str) -> bool:
         """Whether the block outlives the process: on disk, or there is no disk to put it on."""
         return self.disk is None or key in self.disk
 
+    def host_copy(self, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """A new host tensor holding `tensor` in `dtype`, pinned where the store serves a GPU. From a GPU
+        it is converted there (fewer bytes cross) and the copy has finished when this returns, so the
+        result can be checksummed and written at once."""
+        if not self.pinned:
+            return tensor.to("cpu", dtype, copy=True)
+        return torch.empty(tensor.shape, dtype=dtype, pin_memory=True).copy_(tensor.to(dtype))
+
+    def _on_host(self, block: KVBlock) -> KVBlock:
+        """`block` as the memory tier keeps it: host tensors, pinned where the store serves a GPU."""
+        if not self.pinned or all(t.device.type == "cpu" and t.is_pinned() for t in (block.keys, block.values)):
+            return block
+        keys, values = (self.host_copy(t, t.dtype) for t in (block.keys, block.values))
+        return KVBlock(block.token_ids.cpu(), keys, values, block.start)
+
+    def _on_device(self, block: KVBlock) -> KVBlock:
+        """A device copy of `block`'s KV, queued (`non_blocking`) behind the work already on the device."""
+        keys, values = (t.to(self.device, non_blocking=True) for t in (block.keys, block.values))
+        return KVBlock(block.token_ids, keys, values, block.start)
+
     def get(self, key: str, context: str) -> tuple[KVBlock | None, str]:
-        """Return (block, tier) with tier 'memory', 'disk' or 'miss'."""
-        block = self.memory.get(key)
-        if block is not None:
-            return block, "memory"
-        if self.disk is not None:
-            block = self.disk.get(key, context)
+        """Return (block, tier) with tier 'device', 'memory', 'disk' or 'miss'. A hit below the top tier
+        is copied into the tiers above it, and the copy nearest the device is returned."""
+        if self.device_tier is not None:
+            block = self.device_tier.get(key)
             if block is not None:
+                return block, "device"
+        block, tier = self.memory.get(key), "memory"
+        if block is None and self.disk is not None:
+            block, tier = self.disk.get(key, context), "disk"
+            if block is not None:  # pinned only once read and checked: a failure to pin is not a bad file
+                block = self._on_host(block)
                 self.memory.put(key, block)
-                return block, "disk"
-        return None, "miss"
+        if block is None:
+            return None, "miss"
+        if self.device_tier is not None:
+            block = self._on_device(block)
+            self.device_tier.put(key, block)
+        return block, tier
 
     def put(self, key: str, context: str, block: KVBlock, disk: bool = True) -> None:
-        """Keep `block` in memory, and on disk unless told not to."""
+        """Keep `block` in memory, on disk unless told not to, and on the device when there is a device tier."""
+        host = self._on_host(block)
         if self.disk is not None and disk:
-            self.disk.put(key, context, block)
-        self.memory.put(key, block)
+            self.disk.put(key, context, host)
+        self.memory.put(key, host)
+        if self.device_tier is not None:
+            self.device_tier.put(key, self._on_device(block))
