@@ -122,3 +122,14 @@ def test_damaged_or_planted_remembered_fingerprints_are_hashed_again(checkpoint,
     remembered.write_bytes(planted)
     assert KVEngine.from_pretrained(str(model_dir), home=home).fingerprint == first and len(hashes) == 2
     assert KVEngine.from_pretrained(str(model_dir), home=home).fingerprint == first and len(hashes) == 2  # rewritten
+
+
+def test_a_model_larger_than_its_gpu_keeps_what_does_not_fit_on_the_host(tok):
+    gpu, gib = torch.device("cuda", 1), 2**30
+    free = {0: 80 * gib, 1: 20 * gib, "cpu": 100 * gib}
+    assert loading.placement(16 * gib, free, gpu) == {"device_map": {"": gpu}}
+    spill = {"device_map": "auto", "max_memory": {1: int(18 * gib), "cpu": 100 * gib}}
+    assert loading.placement(19 * gib, free, gpu) == spill
+    assert loading.placement(19 * gib, free, torch.device("cpu")) == {}
+    config = tiny_configs(len(tok))["llama"]
+    assert loading.param_count(config) == sum(p.numel() for p in tiny_model(config).parameters())

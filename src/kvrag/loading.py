@@ -169,30 +169,35 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
     return dtype
 
 
-def _placement(config, dtype: torch.dtype, device: torch.device) -> dict:
-    """Where the weights go: all on `device`, unless they would take more than 90% of its free memory
-    (the rest is for KV and activations); then what does not fit stays in host memory."""
+def placement(weight_bytes: int, free: dict, device: torch.device) -> dict:
+    """`from_pretrained`'s placement of the weights: all on `device`, unless they would take more than 90%
+    of its free memory (`free`: bytes per GPU index and "cpu", as accelerate's `get_max_memory` gives
+    them; the rest is for KV and activations). Then what does not fit stays in host memory, and every
+    layer still runs on that one GPU."""
     if device.type != "cuda":
         return {}
-    from accelerate import init_empty_weights
-    from accelerate.utils import get_max_memory
-    from transformers import AutoModelForCausalLM
-
-    with init_empty_weights():
-        params = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
-    free = get_max_memory()
-    if params * dtype.itemsize < 0.9 * free[device.index]:
+    if weight_bytes < 0.9 * free[device.index]:
         return {"device_map": {"": device}}
     return {"device_map": "auto", "max_memory": {device.index: int(0.9 * free[device.index]), "cpu": free["cpu"]}}
+
+
+def param_count(config) -> int:
+    """Parameters of the model a config describes, counted on the meta device (nothing allocated; tied
+    embeddings once)."""
+    from transformers import AutoModelForCausalLM
+    from transformers.initialization import no_init_weights
+
+    with torch.device("meta"), no_init_weights():
+        model = AutoModelForCausalLM.from_config(copy.deepcopy(config))
+    return sum(p.numel() for p in model.parameters())
 
 
 def load(model: str | os.PathLike | None = None, *, device: str | torch.device | None = "cpu",
          dtype: str | torch.dtype | None = None, home: Path | None = None):
     """Return (model, tokenizer, source directory) loaded from local files only, after checking the
-    architecture. `device` and `dtype` as `resolve_device` and `resolve_dtype` take them. A model
-    too large for its GPU keeps the layers that do not fit in host memory (accelerate's
-    `device_map="auto"` limited to that GPU and the CPU): every layer still runs on the GPU, so its
-    KV lives there."""
+    architecture. `device` and `dtype` as `resolve_device` and `resolve_dtype` take them; a model too
+    large for its GPU is placed as `placement` says."""
+    from accelerate.utils import get_max_memory
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     device = resolve_device(device)
@@ -204,9 +209,9 @@ def load(model: str | os.PathLike | None = None, *, device: str | torch.device |
         raise KVRagError(f"cannot load model {model!r} from local files (kvrag never downloads): {exc}") from exc
     check_supported(config)
     tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=True)
+    where = placement(param_count(config) * dtype.itemsize, get_max_memory(), device) if device.type == "cuda" else {}
     lm = AutoModelForCausalLM.from_pretrained(
-        source, dtype=dtype, local_files_only=True, attn_implementation=attention.NAME,
-        **_placement(config, dtype, device),
+        source, dtype=dtype, local_files_only=True, attn_implementation=attention.NAME, **where
     )
     return lm.eval(), tokenizer, local_dir(source)
 
