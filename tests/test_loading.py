@@ -33,9 +33,19 @@ def checkpoint(tok, tmp_path):
 
 @pytest.fixture
 def hashes(monkeypatch) -> list:
-    """One entry per full hash of a model's weights."""
-    calls, digest = [], loading.weights_digest
+    """One entry per full hash of a model's weights; the tokenizer's digest is counted apart (`hashes.tokenizer`)."""
+
+    class Calls(list):
+        tokenizer = 0
+
+    calls, digest, tokenizer_digest = Calls(), loading.weights_digest, loading.tokenizer_digest
+
+    def count_tokenizer(tokenizer):
+        calls.tokenizer += 1
+        return tokenizer_digest(tokenizer)
+
     monkeypatch.setattr(loading, "weights_digest", lambda model: calls.append(1) or digest(model))
+    monkeypatch.setattr(loading, "tokenizer_digest", count_tokenizer)
     return calls
 
 
@@ -90,7 +100,7 @@ def test_second_load_does_not_hash_the_weights_again(checkpoint, tmp_path, hashe
     assert len(hashes) == 2 and tuned.causal_fingerprint == first.fingerprint != tuned.fingerprint
     again = KVEngine.from_pretrained(str(model_dir), home=home)
     tuned_again = KVEngine.from_pretrained(str(model_dir), home=home, adapter=adapter_dir)
-    assert len(hashes) == 2
+    assert len(hashes) == 2 and hashes.tokenizer == 2
     assert again.fingerprint == first.fingerprint and tuned_again.fingerprint == tuned.fingerprint
     assert again.fingerprint == loading.fingerprint(again.model, again.tokenizer)  # what hashing gives
     assert tuned.fingerprint == loading.fingerprint(tuned.model, tuned.tokenizer)
@@ -133,3 +143,12 @@ def test_a_model_larger_than_its_gpu_keeps_what_does_not_fit_on_the_host(tok):
     assert loading.placement(19 * gib, free, torch.device("cpu")) == {}
     config = tiny_configs(len(tok))["llama"]
     assert loading.param_count(config) == sum(p.numel() for p in tiny_model(config).parameters())
+
+
+def test_load_benchmark_times_both_loads_and_hashes_once(checkpoint, tmp_path, hashes):
+    from kvrag.eval.loadtime import load_times
+
+    model_dir, _ = checkpoint
+    times = load_times(model_dir, torch.device("cpu"), torch.float32, tmp_path / "home", runs=2)
+    assert set(times) == {"first", "plain", "plain_tokenizer", "kvrag"} and all(t > 0 for t in times.values())
+    assert len(hashes) == 1

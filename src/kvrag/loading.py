@@ -185,9 +185,8 @@ def param_count(config) -> int:
     """Parameters of the model a config describes, counted on the meta device (nothing allocated; tied
     embeddings once)."""
     from transformers import AutoModelForCausalLM
-    from transformers.initialization import no_init_weights
 
-    with torch.device("meta"), no_init_weights():
+    with torch.device("meta"):  # transformers skips initializing there, and ties the embeddings
         model = AutoModelForCausalLM.from_config(copy.deepcopy(config))
     return sum(p.numel() for p in model.parameters())
 
@@ -293,33 +292,37 @@ def files_identity(dirs) -> list:
 _DIGEST = re.compile(r"^[0-9a-f]{64}$")
 
 
-def remembered_weights_digest(model, dirs, home: Path | None = None) -> str:
-    """`weights_digest(model)`, hashed once per checkpoint and remembered under KVRAG_HOME/fingerprints
-    keyed by `files_identity` of `dirs` (the files the weights were loaded from), dtype and device type:
-    hashing an 8B model's weights on every load would take longer than loading them."""
+def remembered_digests(model, tokenizer, dirs, home: Path | None = None) -> dict:
+    """`weights_digest(model)` and `tokenizer_digest(tokenizer)`, computed once per checkpoint and remembered
+    under KVRAG_HOME/fingerprints, keyed by `files_identity` of `dirs` (the files the model and its
+    tokenizer were loaded from), dtype and device type: hashing an 8B model's weights on every load would
+    take longer than loading them."""
     key = json.dumps({"files": files_identity(dirs), "dtype": str(model.dtype), "device": model.device.type})
     path = (home or kvrag_home()) / "fingerprints" / f"{hashlib.sha256(key.encode()).hexdigest()}.json"
     try:
         with open(path, "rb") as f:
-            digest = json.loads(f.read(4096)).get("weights")
-        if isinstance(digest, str) and _DIGEST.match(digest):
-            return digest
+            digests = json.loads(f.read(4096))
+        if all(isinstance(digests.get(k), str) and _DIGEST.match(digests[k]) for k in ("weights", "tokenizer")):
+            return {k: digests[k] for k in ("weights", "tokenizer")}
     except (OSError, ValueError, AttributeError):  # missing, damaged or planted: hash again and rewrite
         pass
-    digest = weights_digest(model)
-    write_atomic(path, json.dumps({"weights": digest}).encode())
-    return digest
+    digests = {"weights": weights_digest(model), "tokenizer": tokenizer_digest(tokenizer)}
+    write_atomic(path, json.dumps(digests).encode())
+    return digests
 
 
 def fingerprint(model, tokenizer, *, files=(), home: Path | None = None, **extra) -> str:
     """Identity of everything that shapes a block's KV: weights, dtype, tokenizer, chat template
-    (the store adds its own format version to every block key). `files`: the directories the weights
-    were loaded from, so that their digest is remembered (`remembered_weights_digest`)."""
+    (the store adds its own format version to every block key). `files`: the directories the model and
+    tokenizer were loaded from, so that their digests are remembered (`remembered_digests`)."""
+    if files:
+        digests = remembered_digests(model, tokenizer, files, home)
+    else:
+        digests = {"weights": weights_digest(model), "tokenizer": tokenizer_digest(tokenizer)}
     parts = {
         "model_type": model.config.model_type,
         "dtype": str(model.dtype),
-        "weights": remembered_weights_digest(model, files, home) if files else weights_digest(model),
-        "tokenizer": tokenizer_digest(tokenizer),
+        **digests,
         "chat_template": getattr(tokenizer, "chat_template", None) or "",
         **extra,
     }

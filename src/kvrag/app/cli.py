@@ -1,4 +1,4 @@
-"""Command line: kvrag index | ask | demo | finetune | bench ttft | bench accuracy | kernels build | kernels status.
+"""Command line: kvrag index | ask | demo | finetune | bench ttft | bench load | bench accuracy | kernels build | kernels status.
 
 The research harness (kvrag.eval, kvrag.train) and matplotlib are imported inside the commands that
 use them, so `kvrag --help` and `kvrag ask` never load them. The defaults shown for the harness's
@@ -139,16 +139,82 @@ def cmd_demo(args):
           f"block {right['block']} of {len(questions)}")
 
 
+def _random_engine(args, lengths):
+    """`--shape NAME --random-weights`: (engine, header line). Everything is checked (the options, the
+    context window, the memory) before the model is built."""
+    from transformers import AutoTokenizer
+
+    from kvrag import loading
+    from kvrag.eval import shapes
+    from kvrag.eval.ttft import prompt_length
+    from kvrag.prompt import PromptLayout
+
+    if not (args.shape and args.random_weights):
+        raise KVRagError("--shape and --random-weights go together: a shape has no weights of its own")
+    if args.model is not None:
+        raise KVRagError("--shape builds its own model: name the prompts' tokenizer with --tokenizer, not --model")
+    if args.adapter not in ("auto", "none"):
+        raise KVRagError("--shape builds random weights: there is nothing to merge an adapter into")
+    device = loading.resolve_device(args.device)
+    dtype = loading.resolve_dtype(args.dtype, device)
+    source = args.tokenizer or loading.resolve_model_dir(None, Path(args.home) if args.home else None)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise KVRagError(f"cannot load a tokenizer from {str(source)!r} (kvrag never downloads): {exc}") from exc
+    layout = PromptLayout(tokenizer)
+    tokens = max(prompt_length(layout, length) for length in lengths) + 1  # and the first generated token
+    engine = shapes.random_engine(args.shape, tokenizer, device=device, dtype=dtype, tokens=tokens, layers=args.layers,
+                                  home=args.home, block_context=args.block_context)
+    about = (f"{shapes.describe(args.shape, engine.model.config)}; prompts in the tokenizer of "
+             f"{args.tokenizer or 'SmolLM2-135M-Instruct'} ({len(tokenizer)} ids)")
+    return engine, about
+
+
 def cmd_bench(args):
     from kvrag import kernels
-    from kvrag.eval.ttft import HEADER, QUESTION, ttft_table
+    from kvrag.eval.ttft import MEMORY_HEADER, PEAK_MEMORY, QUESTION, device_name, kv_bytes_per_token, ttft_table
 
-    engine = _engine(args)
     lengths = [int(x) for x in args.lengths.split(",")]
+    if args.shape or args.random_weights:
+        engine, about = _random_engine(args, lengths)
+    else:
+        if args.layers is not None or args.tokenizer is not None:
+            raise KVRagError("--layers and --tokenizer go with --shape NAME --random-weights")
+        engine = _engine(args)
+        about = f"model {args.model or 'SmolLM2-135M-Instruct'}, adapter {args.adapter} (scope {args.adapter_scope})"
+    model, storage = engine.model, engine.storage_dtype
     print(f"TTFT, median of {args.runs} runs, {len(engine.layout.question_ids(QUESTION))}-token question block, "
           f"kernels {kernels.status()}")
-    print(HEADER)
-    ttft_table(engine, lengths, args.runs)
+    print(about)
+    print(f"device {model.device} ({device_name(model.device)}), compute {str(model.dtype).removeprefix('torch.')}, "
+          f"KV stored in {str(storage).removeprefix('torch.')}: {kv_bytes_per_token(model.config, storage)} bytes per "
+          f"token; peak GiB: {PEAK_MEMORY[model.device.type]} while the length ran")
+    print(MEMORY_HEADER)
+    ttft_table(engine, lengths, args.runs, memory=True)
+
+
+def cmd_bench_load(args):
+    from transformers import AutoTokenizer
+
+    from kvrag import loading
+    from kvrag.eval.loadtime import load_times, save_checkpoint
+
+    device = loading.resolve_device(args.device)
+    dtype = loading.resolve_dtype(args.dtype, device)
+    home = _home(args)
+    directory = Path(args.dir) if args.dir else home / "bench" / f"{args.shape}-{str(dtype).removeprefix('torch.')}"
+    tokenizer = AutoTokenizer.from_pretrained(loading.resolve_model_dir(None, home), local_files_only=True)
+    print(f"saving {args.shape} with random weights to {directory} (once)...", flush=True)
+    save_checkpoint(args.shape, directory, dtype, tokenizer)
+    times = load_times(directory, device, dtype, home / "bench" / "home", args.runs)
+    print(f"load of {args.shape} ({str(dtype).removeprefix('torch.')}, device {device}), median of {args.runs} "
+          f"alternating runs, seconds:")
+    print(f"  transformers, model:               {times['plain']:.3f}")
+    print(f"  transformers, model and tokenizer: {times['plain_tokenizer']:.3f}")
+    print(f"  kvrag, KVEngine.from_pretrained:   {times['kvrag']:.3f} ({times['kvrag'] / times['plain_tokenizer']:.2f}x "
+          f"the model and tokenizer, {times['kvrag'] / times['plain']:.2f}x the model alone)")
+    print(f"  kvrag, first load (digests made):  {times['first']:.3f}")
 
 
 def _check_plotting(args) -> None:
@@ -361,7 +427,23 @@ def build_parser() -> argparse.ArgumentParser:
     b = _command(bench, "ttft", "time to first token vs cached context length")
     b.add_argument("--lengths", default="0,512,1024,2048,4096,8000", help="context tokens before the question")
     b.add_argument("--runs", type=int, default=3, help="runs per mode and length (the median is shown)")
+    b.add_argument("--shape", choices=("llama3-8b", "llama3.2-1b", "qwen2.5-7b", "mistral-7b"),
+                   help="with --random-weights: time a published architecture (Llama-3.1-8B, Llama-3.2-1B, "
+                        "Qwen2.5-7B, Mistral-7B-v0.3) instead of --model; nothing is downloaded (default: none)")
+    b.add_argument("--random-weights", action="store_true",
+                   help="build --shape's model on the device with random weights (TTFT does not depend on their "
+                        "values)")
+    b.add_argument("--layers", type=int, help="with --shape: keep only its first N decoder layers (at least 2), for a "
+                                              "quick look; the header says so (default: all)")
+    b.add_argument("--tokenizer", help="with --shape: tokenizer directory the prompts are written with; ids beyond the "
+                                       "shape's vocabulary are folded into it (default: SmolLM2-135M-Instruct's)")
     b.set_defaults(func=cmd_bench)
+    b = _command(bench, "load", "time to load a checkpoint: kvrag's from_pretrained against transformers' own")
+    b.add_argument("--shape", default="llama3.2-1b", choices=("llama3-8b", "llama3.2-1b", "qwen2.5-7b", "mistral-7b"),
+                   help="published architecture whose random-weight checkpoint is saved once and loaded")
+    b.add_argument("--runs", type=int, default=3, help="alternating runs of each load (the median is shown)")
+    b.add_argument("--dir", help="where the checkpoint is saved (default: $KVRAG_HOME/bench/SHAPE-DTYPE)")
+    b.set_defaults(func=cmd_bench_load)
     b = _command(bench, "accuracy", "accuracy and TTFT of every method on generated multi-document questions")
     b.add_argument("--limit", type=int, default=200, help="number of questions")
     b.add_argument("--split", choices=("train", "dev", "test"), default="test", help="which generated world")

@@ -7,10 +7,15 @@ prefills everything, `block` prefills the question only, `prefix` can reuse only
 request without passages: the least any mode can take for this question. Runs of the modes are
 interleaved so that a noisy machine affects them alike; ratios are against `full` from the same run.
 FLOPs to first token follow the TurboRAG appendix (QKV, attention, output projection and MLP per
-computed token).
+computed token). With `memory`, each row also holds the peak memory while its length ran: on CUDA
+torch's peak allocation on the device, on CPU the process's peak resident set (weights included).
 """
 
+import os
+import re
 import statistics
+
+import torch
 
 from kvrag import BlendConfig
 
@@ -27,12 +32,20 @@ FILLER = (
 )
 
 
+def head_dim(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
+    """Bytes of one token's keys and values over every layer, held in `dtype`."""
+    return config.num_hidden_layers * config.num_key_value_heads * head_dim(config) * 2 * dtype.itemsize
+
+
 def layer_flops(config, tokens: float, keys: float) -> float:
     """FLOPs of one decoder layer computing `tokens` tokens whose attention reads `keys` keys in all."""
     d = config.hidden_size
-    head_dim = getattr(config, "head_dim", None) or d // config.num_attention_heads
-    d_q = config.num_attention_heads * head_dim
-    d_kv = config.num_key_value_heads * head_dim
+    d_q = config.num_attention_heads * head_dim(config)
+    d_kv = config.num_key_value_heads * head_dim(config)
     per_token = 2 * d * (d_q + 2 * d_kv) + 2 * d_q * d + 6 * d * config.intermediate_size
     return tokens * per_token + 4 * d_q * keys  # QK^T and AV: 4 * d_q per query-key pair
 
@@ -55,27 +68,79 @@ def flops_blend(config, context: int, question: int, recomputed: int) -> float:
 
 
 def make_passages(engine, total_tokens: int, block_tokens: int = 256, tag: str = "") -> list[str]:
-    """Distinct filler passages of about `block_tokens` tokens adding up to about `total_tokens`."""
+    """Distinct filler passages of about `block_tokens` tokens adding up to about `total_tokens`.
+    `engine`: an engine or its PromptLayout."""
+    layout = getattr(engine, "layout", engine)
     passages, count = [], 0
-    unit = len(engine.layout.passage_ids(FILLER))
+    unit = len(layout.passage_ids(FILLER))
     while count < total_tokens:
         n = max(1, min(block_tokens, total_tokens - count) // unit)
         text = f"Record {tag}{len(passages)}. " + FILLER * n
         passages.append(text)
-        count += len(engine.layout.passage_ids(text))
+        count += len(layout.passage_ids(text))
     return passages
+
+
+def prompt_length(layout, length: int, question: str = QUESTION) -> int:
+    """Tokens of `ttft_table`'s request at `length`, known from the tokenizer alone: before a model is built."""
+    system = len(layout.prefix_ids)
+    passages = make_passages(layout, length - system) if length > system else []
+    body = sum(len(layout.passage_ids(p)) for p in passages) + max(0, len(passages) - 1) * len(layout.separator_ids)
+    return system + body + len(layout.question_ids(question, after_passages=bool(passages)))
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "CPU")
+    except OSError:
+        model = "CPU"
+    return f"{model}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads"
+
+
+PEAK_MEMORY = {"cuda": "peak memory allocated by torch on the device", "cpu": "peak resident set of the process"}
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return
+    try:  # Linux: "5" resets the process's peak resident set (VmHWM)
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass  # the peak then covers the whole process so far
+
+
+def peak_memory(device: torch.device) -> int:
+    """Bytes at the peak since `reset_peak_memory` (see PEAK_MEMORY for what is counted)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    try:
+        with open("/proc/self/status") as f:
+            return int(re.search(r"VmHWM:\s+(\d+) kB", f.read()).group(1)) * 1024
+    except (OSError, AttributeError):
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
 
 
 def _ttft(engine, question, passages, mode, blend=None) -> float:
     return engine.generate(question, passages, mode=mode, max_new_tokens=1, blend=blend).ttft
 
 
-def ttft_table(engine, lengths=(0, 512, 1024, 2048, 4096, 8000), runs: int = 3, question: str = QUESTION, progress=print):
-    """Median TTFT (seconds) per mode and context length (tokens before the question); returns row dicts."""
+def ttft_table(engine, lengths=(0, 512, 1024, 2048, 4096, 8000), runs: int = 3, question: str = QUESTION,
+               progress=print, memory: bool = False):
+    """Median TTFT (seconds) per mode and context length (tokens before the question); returns row dicts,
+    with the peak memory in bytes (`peak_memory`) when `memory`."""
     config = engine.model.config
     system = len(engine.layout.prefix_ids)
     rows = []
     for length in lengths:
+        if memory:
+            reset_peak_memory(engine.model.device)
         budget = length - system
         passages = make_passages(engine, budget) if budget > 0 else []
         if passages:
@@ -104,6 +169,8 @@ def ttft_table(engine, lengths=(0, 512, 1024, 2048, 4096, 8000), runs: int = 3, 
             flops_block=flops_to_first_token(config, q_tokens, cached),
             flops_blend15=flops_blend(config, cached, q_tokens, round(0.15 * passage_tokens)),
         )
+        if memory:
+            row["peak_memory"] = peak_memory(engine.model.device)
         rows.append(row)
         progress(format_row(row))
     return rows
@@ -114,6 +181,8 @@ HEADER = (
     f"{'blend10 ms':>10} {'blend15 ms':>10} {'blend30 ms':>10} {'full/block':>10} {'full/blend15':>12} "
     f"{'block/floor':>11} {'GFLOPs full':>11} {'GFLOPs block':>12} {'GFLOPs blend15':>14}"
 )
+MEMORY_HEADER = f"{HEADER} {'peak GiB':>9}"
+"""HEADER with the column `ttft_table(..., memory=True)` adds."""
 
 
 def format_row(row) -> str:
@@ -123,4 +192,5 @@ def format_row(row) -> str:
         f"{row['blend30'] * 1e3:>10.1f} {row['full'] / row['block']:>9.1f}x {row['full'] / row['blend15']:>11.1f}x "
         f"{row['block'] / row['floor']:>10.2f}x {row['flops_full'] / 1e9:>11.1f} {row['flops_block'] / 1e9:>12.2f} "
         f"{row['flops_blend15'] / 1e9:>14.1f}"
+        + (f" {row['peak_memory'] / 2**30:>9.2f}" if "peak_memory" in row else "")
     )
