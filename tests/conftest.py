@@ -49,3 +49,25 @@ def examples():
     from kvrag.eval import data
 
     return [replace(e, passages=tuple(p[:150] for p in e.passages)) for e in data.generate("dev", 4, passages=5)]
+
+
+@pytest.fixture
+def saved_model_and_adapter(tok, tmp_path):
+    """A tiny Llama and a LoRA adapter for it, saved as a user's checkpoint and `kvrag finetune` output are.
+    The adapter changes the weights (peft starts it as a no-op)."""
+    import warnings
+
+    from peft import LoraConfig, get_peft_model
+
+    model_dir, adapter_dir = tmp_path / "model", tmp_path / "adapter"
+    tiny_model(tiny_configs(len(tok))["llama"], 0).save_pretrained(model_dir)
+    tok.save_pretrained(model_dir)
+    with warnings.catch_warnings():  # peft's own set-up here is the test's, not kvrag's
+        warnings.simplefilter("ignore")
+        lora = get_peft_model(tiny_model(tiny_configs(len(tok))["llama"], 1), LoraConfig(r=4, target_modules=["q_proj"]))
+    with torch.no_grad():
+        for name, p in lora.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.1)
+    lora.save_pretrained(adapter_dir)
+    return model_dir, adapter_dir

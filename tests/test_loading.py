@@ -1,7 +1,6 @@
 """Loading: device and dtype choices, and a fingerprint hashed once per checkpoint, not on every load."""
 
 import os
-import warnings
 
 import pytest
 import torch
@@ -10,25 +9,6 @@ from tiny import tiny_configs, tiny_model
 from kvrag import KVEngine, KVRagError, loading
 
 PASSAGE = "The lighthouse of Varnholm was built in 1873 by the engineer Ilsa Brandt."
-
-
-@pytest.fixture
-def checkpoint(tok, tmp_path):
-    """A tiny Llama saved as a user's checkpoint, and a LoRA adapter for it."""
-    from peft import LoraConfig, get_peft_model
-
-    model_dir, adapter_dir = tmp_path / "model", tmp_path / "adapter"
-    tiny_model(tiny_configs(len(tok))["llama"], 0).save_pretrained(model_dir)
-    tok.save_pretrained(model_dir)
-    with warnings.catch_warnings():  # peft's own set-up here is the test's, not kvrag's
-        warnings.simplefilter("ignore")
-        lora = get_peft_model(tiny_model(tiny_configs(len(tok))["llama"], 1), LoraConfig(r=4, target_modules=["q_proj"]))
-    with torch.no_grad():  # peft starts B at zero, which would make the adapter a no-op
-        for name, p in lora.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.1)
-    lora.save_pretrained(adapter_dir)
-    return model_dir, adapter_dir
 
 
 @pytest.fixture
@@ -80,8 +60,8 @@ def test_unknown_dtypes_are_refused(dtype):
         loading.resolve_dtype(dtype, torch.device("cpu"))
 
 
-def test_dtype_is_part_of_the_fingerprint_and_a_half_model_answers(checkpoint, tmp_path):
-    model_dir, _ = checkpoint
+def test_dtype_is_part_of_the_fingerprint_and_a_half_model_answers(saved_model_and_adapter, tmp_path):
+    model_dir, _ = saved_model_and_adapter
     home = tmp_path / "home"
     full = KVEngine.from_pretrained(str(model_dir), device="cpu", dtype="float32", home=home)
     half = KVEngine.from_pretrained(str(model_dir), device="cpu", dtype="bfloat16", home=home)
@@ -92,8 +72,8 @@ def test_dtype_is_part_of_the_fingerprint_and_a_half_model_answers(checkpoint, t
     assert result.reused_tokens > 0 and result.finish_reason in ("stop", "length")
 
 
-def test_second_load_does_not_hash_the_weights_again(checkpoint, tmp_path, hashes):
-    model_dir, adapter_dir = checkpoint
+def test_second_load_does_not_hash_the_weights_again(saved_model_and_adapter, tmp_path, hashes):
+    model_dir, adapter_dir = saved_model_and_adapter
     home = tmp_path / "home"
     first = KVEngine.from_pretrained(str(model_dir), home=home)
     tuned = KVEngine.from_pretrained(str(model_dir), home=home, adapter=adapter_dir)  # the merged weights: once more
@@ -106,8 +86,8 @@ def test_second_load_does_not_hash_the_weights_again(checkpoint, tmp_path, hashe
     assert tuned.fingerprint == loading.fingerprint(tuned.model, tuned.tokenizer)
 
 
-def test_changed_files_are_hashed_again(checkpoint, tmp_path, hashes, tok):
-    model_dir, adapter_dir = checkpoint
+def test_changed_files_are_hashed_again(saved_model_and_adapter, tmp_path, hashes, tok):
+    model_dir, adapter_dir = saved_model_and_adapter
     home = tmp_path / "home"
     first = KVEngine.from_pretrained(str(model_dir), home=home).fingerprint
     weights = model_dir / "model.safetensors"
@@ -124,8 +104,8 @@ def test_changed_files_are_hashed_again(checkpoint, tmp_path, hashes, tok):
 
 @pytest.mark.parametrize("planted", [b"", b"\x00\xff garbage", b"[1, 2]", b'{"weights": "../../etc"}',
                                      b'{"weights": 12}', b"{" * 100_000])
-def test_damaged_or_planted_remembered_fingerprints_are_hashed_again(checkpoint, tmp_path, hashes, planted):
-    model_dir, _ = checkpoint
+def test_damaged_or_planted_remembered_fingerprints_are_hashed_again(saved_model_and_adapter, tmp_path, hashes, planted):
+    model_dir, _ = saved_model_and_adapter
     home = tmp_path / "home"
     first = KVEngine.from_pretrained(str(model_dir), home=home).fingerprint
     [remembered] = (home / "fingerprints").iterdir()
@@ -145,10 +125,10 @@ def test_a_model_larger_than_its_gpu_keeps_what_does_not_fit_on_the_host(tok):
     assert loading.param_count(config) == sum(p.numel() for p in tiny_model(config).parameters())
 
 
-def test_load_benchmark_times_both_loads_and_hashes_once(checkpoint, tmp_path, hashes):
+def test_load_benchmark_times_both_loads_and_hashes_once(saved_model_and_adapter, tmp_path, hashes):
     from kvrag.eval.loadtime import load_times
 
-    model_dir, _ = checkpoint
+    model_dir, _ = saved_model_and_adapter
     times = load_times(model_dir, torch.device("cpu"), torch.float32, tmp_path / "home", runs=2)
     assert set(times) == {"first", "plain", "plain_tokenizer", "kvrag"} and all(t > 0 for t in times.values())
     assert len(hashes) == 1

@@ -2,27 +2,9 @@
 
 import warnings
 
-import pytest
-from tiny import tiny_configs, tiny_model
-
 from kvrag import MODES, KVEngine
 
 PASSAGE = "The lighthouse of Varnholm was built in 1873 by the engineer Ilsa Brandt."
-
-
-@pytest.fixture
-def saved_model_and_adapter(tok, tmp_path):
-    """A tiny Llama and a LoRA adapter for it, saved as a user's checkpoint and `kvrag finetune` output are."""
-    from peft import LoraConfig, get_peft_model
-
-    model_dir, adapter_dir = tmp_path / "model", tmp_path / "adapter"
-    tiny_model(tiny_configs(len(tok))["llama"], 0).save_pretrained(model_dir)
-    tok.save_pretrained(model_dir)
-    with warnings.catch_warnings():  # peft's own set-up here is the test's, not kvrag's
-        warnings.simplefilter("ignore")
-        lora = get_peft_model(tiny_model(tiny_configs(len(tok))["llama"], 1), LoraConfig(r=4, target_modules=["q_proj"]))
-    lora.save_pretrained(adapter_dir)
-    return model_dir, adapter_dir
 
 
 def test_loading_and_every_mode_emit_no_deprecation_warning(saved_model_and_adapter, tmp_path):

@@ -11,9 +11,7 @@ asynchronously, and an optional device tier keeps the most recently used blocks 
 """
 
 import hashlib
-import os
 import threading
-import uuid
 import warnings
 import zlib
 from collections import OrderedDict
@@ -23,6 +21,8 @@ from pathlib import Path
 import safetensors.torch
 import torch
 from safetensors import safe_open
+
+from .paths import write_atomic
 
 FORMAT = "kvrag-kv/1"
 
@@ -139,16 +139,7 @@ class DiskTier:
             "ids_sha256": ids_digest(block.token_ids),
             "checksum": _checksum(tensors),
         }
-        data = safetensors.torch.save(tensors, metadata=metadata)
-        path = self.path(key)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{key}.{os.getpid()}.{uuid.uuid4().hex}.tmp")
-        try:
-            with open(tmp, "wb") as f:
-                f.write(data)
-            os.replace(tmp, path)
-        finally:
-            tmp.unlink(missing_ok=True)
+        write_atomic(self.path(key), safetensors.torch.save(tensors, metadata=metadata))
 
     def get(self, key: str, context: str) -> KVBlock | None:
         path = self.path(key)
