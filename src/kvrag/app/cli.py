@@ -30,12 +30,12 @@ TRAIN_DEFAULTS = {"steps": 170, "learning_rate": 5e-4, "accumulate": 4, "lora_r"
 """kvrag.train.finetune.TrainConfig's defaults for the settings `finetune` exposes."""
 
 
-def _engine(args):
+def _engine(args, **options):
     from kvrag import KVEngine
 
     adapter = None if args.adapter == "none" else args.adapter
     return KVEngine.from_pretrained(args.model, home=args.home, block_context=args.block_context, adapter=adapter,
-                                    adapter_scope=args.adapter_scope, device=args.device, dtype=args.dtype)
+                                    adapter_scope=args.adapter_scope, device=args.device, dtype=args.dtype, **options)
 
 
 def _home(args) -> Path:
@@ -181,7 +181,7 @@ def cmd_bench(args):
     else:
         if args.layers is not None or args.tokenizer is not None:
             raise KVRagError("--layers and --tokenizer go with --shape NAME --random-weights")
-        engine = _engine(args)
+        engine = _engine(args, device_budget=1 << 30)  # on a GPU the passages' KV stays there, as in Block-Attention's table
         about = f"model {args.model or 'SmolLM2-135M-Instruct'}, adapter {args.adapter} (scope {args.adapter_scope})"
     model, storage = engine.model, engine.storage_dtype
     print(f"TTFT, median of {args.runs} runs, {len(engine.layout.question_ids(QUESTION))}-token question block, "
