@@ -59,8 +59,8 @@ class KVEngine:
         root = self.home / "kv" / self.fingerprint[:16] if persist else None
         self.store = KVStore(self.fingerprint, root, memory_budget, device=model.device, device_budget=device_budget)
         config = model.config
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        self.pool = WorkspacePool(config.num_hidden_layers, config.num_key_value_heads, head_dim, model.dtype, model.device)
+        self.pool = WorkspacePool(config.num_hidden_layers, config.num_key_value_heads, loading.head_dim(config),
+                                  model.dtype, model.device)
         self.blocks = Blocks(self.model, self.store, self.pool, storage_dtype, block_context)
         self.causal_model, self.causal_fingerprint, self.causal_store = self.model, self.fingerprint, self.store
         self.causal_blocks = self.blocks

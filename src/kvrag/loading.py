@@ -38,6 +38,10 @@ def check_supported(config) -> None:
     check_composable(config)
 
 
+def head_dim(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
 def context_window(config) -> int:
     """Longest prompt every layer attends to in full; sliding-window layers shorten it."""
     window = config.max_position_embeddings

@@ -21,7 +21,7 @@ from kvrag import KVEngine, attention, loading
 from kvrag.errors import KVRagError
 from kvrag.store import default_storage_dtype
 
-from .ttft import head_dim, kv_bytes_per_token
+from .ttft import kv_bytes_per_token
 
 
 @dataclass(frozen=True)
@@ -169,5 +169,5 @@ def describe(name: str, config) -> str:
     cut = "" if config.num_hidden_layers == total else f", CUT TO {config.num_hidden_layers} OF {total} LAYERS"
     return (f"shape {name} ({shape.source}'s config{cut}): random weights, "
             f"{loading.param_count(config) / 1e9:.2f}B parameters, {config.num_hidden_layers} layers x "
-            f"{config.num_attention_heads} heads ({config.num_key_value_heads} KV) of {head_dim(config)}, "
+            f"{config.num_attention_heads} heads ({config.num_key_value_heads} KV) of {loading.head_dim(config)}, "
             f"vocab {config.vocab_size}")

@@ -18,6 +18,7 @@ import statistics
 import torch
 
 from kvrag import BlendConfig
+from kvrag.loading import head_dim
 
 BLEND_RATIOS = (0.10, 0.15, 0.30)
 
@@ -30,10 +31,6 @@ FILLER = (
     "The archive of the harbour office records ships, cargo, weather and the names of the pilots who "
     "guided them. Each entry lists the date, the tide, the berth and the fee that was paid. "
 )
-
-
-def head_dim(config) -> int:
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
 def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
