@@ -4,6 +4,8 @@ from .blend import BlendConfig
 from .decode import GenerationResult, GenerationStream
 from .engine import KVEngine
 from .errors import (
+    QueueFullError,
+    RequestTimeoutError,
     ContextOverflowError,
     EmptyInputError,
     InputEncodingError,
@@ -28,6 +30,8 @@ __all__ = [
     "Passage",
     "Prompt",
     "PromptFormat",
+    "QueueFullError",
+    "RequestTimeoutError",
     "UnknownBlockError",
     "UnsupportedModelError",
     "check_text",

@@ -71,10 +71,53 @@ def forward(model, ids: list[int], cache, start: int, keep: int = 1, causal_only
     return model(input_ids=ids_t, position_ids=positions, cache=cache, logits_to_keep=keep, **extra).logits[0]
 
 
+class Packed:
+    """The new tokens of several requests run as one sequence (a decode step shared by many users): each
+    request's run is appended to its own cache and attends only to it, so no cache is copied or padded.
+    Stands in for the cache in the model's call; the attention reads `kvrag_packed`."""
+
+    def __init__(self, caches: list, starts: list[int], lengths: list[int], dtype, device):
+        self.caches, self.starts = caches, starts
+        ends = torch.tensor(lengths).cumsum(0).tolist()
+        self.spans = [(end - n, end) for end, n in zip(ends, lengths)]
+        self.masks = [causal_mask(n, start, dtype, device) for n, start in zip(lengths, starts)]
+
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        for cache, (a, b) in zip(self.caches, self.spans):
+            cache.layers[layer_idx].update(key_states[:, :, a:b], value_states[:, :, a:b])
+        return key_states, value_states
+
+    def attend(self, module, query, dropout, scaling) -> torch.Tensor:
+        """Each run's queries over its own cache, exactly as `forward` would run it alone."""
+        outs = []
+        for cache, start, mask, (a, b) in zip(self.caches, self.starts, self.masks, self.spans):
+            layer = cache.layers[module.layer_idx]
+            out, _ = grouped_sdpa_attention(module, query[:, :, a:b], layer.keys, layer.values, mask, dropout,
+                                            scaling, kvrag_cached=start)
+            outs.append(out)
+        return torch.cat(outs, dim=1)
+
+
+def forward_packed(model, runs: list[tuple[list[int], object, int]]) -> torch.Tensor:
+    """`forward` for several requests at once: (ids, cache, start) each; returns each run's last logits.
+
+    The linear layers see every request's tokens together, which is what makes decoding many users
+    cheaper than decoding them in turn; attention stays per request (`Packed`)."""
+    device = model.device
+    ids = [t for run_ids, _, _ in runs for t in run_ids]
+    positions = [p for run_ids, _, start in runs for p in range(start, start + len(run_ids))]
+    packed = Packed([c for _, c, _ in runs], [s for _, _, s in runs], [len(r) for r, _, _ in runs], model.dtype, device)
+    last = torch.tensor([b - 1 for _, b in packed.spans], device=device)
+    return model(input_ids=torch.tensor([ids], device=device), position_ids=torch.tensor([positions], device=device),
+                 cache=packed, attention_mask=packed.masks[0], kvrag_packed=packed, logits_to_keep=last).logits[0]
+
+
 def grouped_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
-                           kvrag_cached=None, **kwargs):
+                           kvrag_cached=None, kvrag_packed=None, **kwargs):
     """`kvrag_cached`: the number of cached keys before the queries, given only where `attention_mask` is
-    `causal_mask`'s (see `forward`)."""
+    `causal_mask`'s (see `forward`). `kvrag_packed`: several requests' runs (see `Packed`)."""
+    if kvrag_packed is not None:
+        return kvrag_packed.attend(module, query, dropout, scaling), None
     q_len, kv_len = query.shape[2], key.shape[2]
     after_cache = kvrag_cached == kv_len - q_len and not dropout
     if after_cache and kernels.attention_applies(query, key, value):

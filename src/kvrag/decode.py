@@ -1,12 +1,15 @@
-"""The token loop after the prefill: sampling, stop strings, incremental text, timing, the result."""
+"""The token loop after the prefill: sampling, stop strings, incremental text, timing, the result; and
+the stream through which a request's text reaches its caller."""
 
+import asyncio
+import collections
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 
 import torch
 
-from .attention import forward
 
 
 @dataclass
@@ -95,14 +98,92 @@ class TextTracker:
 
 
 class GenerationStream:
-    """Iterate for text deltas; `result` is set once the iteration is over."""
+    """A submitted request: iterate (or `async for`) for its text deltas; `result` is set once it is over.
 
-    def __init__(self, run: Iterator[str]):
-        self._run = run
+    The scheduler's worker produces; any thread or event loop consumes. Leaving the iteration early,
+    or `cancel()`, ends the request at the next token boundary and frees its workspace."""
+
+    def __init__(self):
         self.result: GenerationResult | None = None
+        self.error: BaseException | None = None
+        self.cancelled = False
+        self._deltas: collections.deque[str] = collections.deque()
+        self._done = False
+        self._cond = threading.Condition()
+        self._wakers: list = []  # (event loop, asyncio.Event) of async consumers
+
+    # ---- the worker's side --------------------------------------------------------------------------
+
+    def put(self, delta: str) -> None:
+        with self._cond:
+            self._deltas.append(delta)
+            self._wake()
+
+    def end(self, result: GenerationResult | None = None, error: BaseException | None = None) -> None:
+        with self._cond:
+            self.result, self.error, self._done = result, error, True
+            self._wake()
+
+    def _wake(self) -> None:
+        self._cond.notify_all()
+        for loop, event in self._wakers:
+            loop.call_soon_threadsafe(event.set)
+
+    # ---- the consumer's side ------------------------------------------------------------------------
+
+    @property
+    def done(self) -> bool:
+        return self._done
+
+    def cancel(self) -> None:
+        """Stop generating: the request leaves the batch at the next token, `finish_reason` "cancelled"."""
+        self.cancelled = True
+
+    def _next(self):
+        """A delta, or None once the request is over (its error raised)."""
+        if self._deltas:
+            return self._deltas.popleft()
+        if self._done:
+            if self.error is not None:
+                raise self.error
+            return None
+        return ...
 
     def __iter__(self) -> Iterator[str]:
-        self.result = yield from self._run
+        try:
+            while True:
+                with self._cond:
+                    item = self._next()
+                    while item is ...:
+                        self._cond.wait()
+                        item = self._next()
+                if item is None:
+                    return
+                yield item
+        finally:
+            if not self._done:
+                self.cancel()
+
+    async def __aiter__(self) -> AsyncIterator[str]:
+        loop, event = asyncio.get_running_loop(), asyncio.Event()
+        with self._cond:
+            self._wakers.append((loop, event))
+        try:
+            while True:
+                event.clear()
+                with self._cond:
+                    item = self._next()
+                if item is None:
+                    return
+                if item is ...:
+                    await event.wait()
+                    continue
+                yield item
+        finally:
+            with self._cond:
+                self._wakers.remove((loop, event))
+            if not self._done:
+                self.cancel()
 
     def drain(self) -> GenerationResult:
         for _ in self:
@@ -110,53 +191,87 @@ class GenerationStream:
         return self.result
 
 
-@torch.inference_mode()
-def run(engine, build, mode: str, max_new_tokens: int, sampler: Sampler, stops: list[str], max_time=None, blend=None):
-    """Yield text deltas; return the GenerationResult. `build` makes (prompt, keys): inside the timing,
-    as is the KV loading of `engine.prefill`."""
-    start = time.perf_counter()
-    prompt, keys = build()
-    budget = min(max_new_tokens, engine.context_window - len(prompt))
-    state = engine.prefill(prompt, mode, keys=keys, extra_capacity=budget, blend=blend)
-    model = engine.model_for(mode)
-    tracker = TextTracker(engine.tokenizer, stops)
-    ttft, finish = None, "length"
-    try:
-        logits, position = state.logits[-1], state.next_position
-        for step in range(budget):
-            token = sampler(logits)
-            if ttft is None:
-                ttft = time.perf_counter() - start
-            if token in engine.eos_ids:
-                finish = "stop"
-                break
-            delta = tracker.push(token)
-            if delta:
-                yield delta
-            if tracker.stopped:
-                finish = "stop"
-                break
-            if max_time is not None and time.perf_counter() - start > max_time:
-                finish = "timeout"
-                break
-            if step + 1 < budget:
-                logits = forward(model, [token], state.cache, position)[-1]
-                position += 1
-        tail = tracker.flush()
+class Generation:
+    """One request's token loop, advanced a token at a time by the scheduler's worker: its prefill, then
+    sampling, stop strings, incremental text and timing as each step's logits arrive."""
+
+    def __init__(self, engine, build, mode: str, max_new_tokens: int, sampler: Sampler, stops: list[str],
+                 max_time=None, blend=None):
+        """`build` makes (prompt, keys): inside the timing, as is the KV loading of `engine.prefill`."""
+        self.engine, self.build, self.mode, self.max_new_tokens = engine, build, mode, max_new_tokens
+        self.sampler, self.stops, self.max_time, self.blend = sampler, stops, max_time, blend
+        self.stream = GenerationStream()
+        self.start = time.perf_counter()
+        self.state, self.released = None, False
+        self.run: list[int] = []  # the ids to run through the model next, at `self.position`
+
+    def expired(self) -> bool:
+        return self.max_time is not None and time.perf_counter() - self.start > self.max_time
+
+    def prefill(self) -> None:
+        engine = self.engine
+        self.prompt, keys = self.build()
+        self.budget = min(self.max_new_tokens, engine.context_window - len(self.prompt))
+        self.state = engine.prefill(self.prompt, self.mode, keys=keys, extra_capacity=self.budget, blend=self.blend,
+                                    question=False)
+        self.model = engine.model_for(self.mode)
+        self.cache, self.position = self.state.cache, self.state.next_position
+        self.tracker = TextTracker(engine.tokenizer, self.stops)
+        self.ttft, self.steps = None, 0
+        if self.state.logits is None:  # the question runs with the next step's tokens
+            self.run = list(self.prompt.question)
+        else:
+            self.push(self.state.logits[-1])
+
+    def push(self, logits: torch.Tensor) -> None:
+        """Sample the next token from `logits`; end the request or leave the token in `self.run`."""
+        token, self.run = self.sampler(logits), []
+        self.steps += 1
+        if self.ttft is None:
+            self.ttft = time.perf_counter() - self.start
+        if token in self.engine.eos_ids:
+            return self.finish("stop")
+        delta = self.tracker.push(token)
+        if delta:
+            self.stream.put(delta)
+        if self.tracker.stopped:
+            return self.finish("stop")
+        if self.expired():
+            return self.finish("timeout")
+        if self.steps >= self.budget:
+            return self.finish("length")
+        self.run = [token]
+
+    def finish(self, reason: str) -> None:
+        """Hand the workspace back and end the stream with the result."""
+        tail = self.tracker.flush()
         if tail:
-            yield tail
-        engine.store_pending(state, mode)
-    finally:
-        engine.release(state)
-    return GenerationResult(
-        text=tracker.text,
-        token_ids=list(tracker.ids),
-        mode=mode,
-        ttft=ttft,
-        total_time=time.perf_counter() - start,
-        prompt_tokens=len(prompt),
-        prefilled_tokens=state.prefilled_tokens,
-        reused_tokens=state.reused_tokens,
-        cache_hits=state.cache_hits,
-        finish_reason=finish,
-    )
+            self.stream.put(tail)
+        try:
+            if reason != "cancelled":
+                self.engine.store_pending(self.state, self.mode)
+        finally:
+            self.release()
+        state = self.state
+        self.stream.end(GenerationResult(
+            text=self.tracker.text,
+            token_ids=list(self.tracker.ids),
+            mode=self.mode,
+            ttft=self.ttft,
+            total_time=time.perf_counter() - self.start,
+            prompt_tokens=len(self.prompt),
+            prefilled_tokens=state.prefilled_tokens,
+            reused_tokens=state.reused_tokens,
+            cache_hits=state.cache_hits,
+            finish_reason=reason,
+        ))
+
+    def fail(self, error: BaseException | None) -> None:
+        """End without a result: `error` raised to the caller (None: a request cancelled before it ran)."""
+        self.release()
+        self.stream.end(error=error)
+
+    def release(self) -> None:
+        if self.state is not None and not self.released:
+            self.released = True
+            self.engine.release(self.state)

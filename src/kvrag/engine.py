@@ -19,11 +19,12 @@ from tqdm.auto import tqdm
 from . import loading, modes, threads
 from .assemble import Blocks
 from .blend import BlendConfig
-from .decode import GenerationResult, GenerationStream, Sampler, run
+from .decode import Generation, GenerationResult, GenerationStream, Sampler
 from .errors import ContextOverflowError, EmptyInputError, UnknownBlockError
 from .match import PassageMatcher
 from .paths import kvrag_home
 from .prompt import Prompt, PromptFormat, PromptLayout, check_text
+from .scheduler import Scheduler
 from .store import KVStore, default_storage_dtype
 from .workspace import WorkspacePool
 
@@ -39,14 +40,15 @@ class KVEngine:
                  storage_dtype: torch.dtype | None = None, memory_budget: int = 1 << 30, device_budget: int = 0,
                  prompt_format: PromptFormat | None = None, home: str | Path | None = None, persist: bool = True,
                  fingerprint: str | None = None, causal_fingerprint: str | None = None,
-                 blend: BlendConfig | None = None):
+                 blend: BlendConfig | None = None, max_batch: int = 16, max_queue: int = 256):
         """`causal_model`: other weights for the causal modes (full, prefix), say the published ones when
         `model` carries a block-tuned adapter (default: `model` in every mode). The engine runs on the
         model's device. `storage_dtype`: the stored KV's (default: the model's half dtype, else float16).
         `memory_budget`: bytes of KV kept in (host) memory; `device_budget`: bytes kept on the GPU besides,
         the most used blocks (each per weight set). `fingerprint`, `causal_fingerprint`: the models'
         `loading.fingerprint`s, when known (computed otherwise). `blend`: the default of blend mode's
-        settings (each request may pass its own)."""
+        settings (each request may pass its own). `max_batch`, `max_queue`: requests decoded together and
+        requests allowed to wait for a place among them (see scheduler.py)."""
         loading.check_supported(model.config)
         if block_context not in BLOCK_CONTEXTS:
             raise ValueError(f"block_context must be one of {BLOCK_CONTEXTS}, got {block_context!r}")
@@ -59,8 +61,9 @@ class KVEngine:
         root = self.home / "kv" / self.fingerprint[:16] if persist else None
         self.store = KVStore(self.fingerprint, root, memory_budget, device=model.device, device_budget=device_budget)
         config = model.config
+        self.scheduler = Scheduler(max_batch, max_queue)
         self.pool = WorkspacePool(config.num_hidden_layers, config.num_key_value_heads, loading.head_dim(config),
-                                  model.dtype, model.device)
+                                  model.dtype, model.device, keep=max(2, max_batch))
         self.blocks = Blocks(self.model, self.store, self.pool, storage_dtype, block_context)
         self.causal_model, self.causal_fingerprint, self.causal_store = self.model, self.fingerprint, self.store
         self.causal_blocks = self.blocks
@@ -246,11 +249,13 @@ class KVEngine:
 
     @torch.inference_mode()
     def prefill(self, prompt: Prompt, mode: str = "block", *, keys=None, extra_capacity: int = 1,
-                all_logits: bool = False, blend: BlendConfig | None = None) -> modes.Prefill:
+                all_logits: bool = False, blend: BlendConfig | None = None, question: bool = True) -> modes.Prefill:
         """Put the prompt's KV into a workspace cache and compute the question tokens' logits.
 
         The caller owns `result.workspace` and must hand it back with `engine.release(result)`.
-        `blend` overrides the engine's blend settings for mode "blend".
+        `blend` overrides the engine's blend settings for mode "blend". `question=False`, in the modes of
+        `modes.QUESTION_LEFT`, leaves the question out: its logits are None and the caller prefills it
+        at `next_position`.
         """
         if mode not in modes.PREFILL:
             raise ValueError(f"mode must be one of {modes.MODES}, got {mode!r}")
@@ -260,6 +265,8 @@ class KVEngine:
         config = self._check_blend(blend) if blend else self.blend
         ws = self.pool.acquire(len(prompt) + extra_capacity)
         try:
+            if not question and mode in modes.QUESTION_LEFT:
+                return modes.placed(blocks, prompt, keys, ws, modes.QUESTION_LEFT[mode])
             return modes.PREFILL[mode](blocks, prompt, keys, ws, len(prompt.question) if all_logits else 1, config)
         except BaseException:
             self.pool.release(ws)
@@ -279,11 +286,13 @@ class KVEngine:
         return self.stream(question, blocks, **kwargs).drain()
 
     def stream(self, question: str, blocks=(), **kwargs) -> GenerationStream:
-        """Stream the answer as text deltas; the returned object's `result` holds text, timings and reuse.
+        """Submit the request to the scheduler and stream its answer as text deltas (`for`, or `async for`);
+        the returned object's `result` holds text, timings and reuse, and `cancel()` stops it. Errors of
+        the request surface as the stream is read; a full queue raises `QueueFullError` here.
 
-        Options: mode, max_new_tokens, temperature, top_p, top_k, seed, stop, max_time (seconds,
-        after which generation ends with finish_reason "timeout"), and blend (a `BlendConfig` for
-        mode "blend"; default: the engine's).
+        Options: mode, max_new_tokens, temperature, top_p, top_k, seed, stop, max_time (seconds from the
+        call: a request still queued then fails with `RequestTimeoutError`, one generating ends with
+        finish_reason "timeout"), and blend (a `BlendConfig` for mode "blend"; default: the engine's).
         """
         blocks = list(blocks)
         return self._stream(lambda: self.build_prompt(question, blocks), **kwargs)
@@ -308,4 +317,6 @@ class KVEngine:
         sampler = Sampler(temperature, top_p, top_k, seed)
         stops = [stop] if isinstance(stop, str) else list(stop or [])
         blend = self._check_blend(blend) if blend is not None else self.blend
-        return GenerationStream(run(self, build, mode, max_new_tokens, sampler, stops, max_time, blend))
+        generation = Generation(self, build, mode, max_new_tokens, sampler, stops, max_time, blend)
+        self.scheduler.submit(generation)
+        return generation.stream

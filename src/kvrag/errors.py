@@ -23,3 +23,11 @@ class UnknownBlockError(KVRagError, KeyError):
 
 class InputEncodingError(KVRagError, ValueError):
     """A file is not valid UTF-8 text."""
+
+
+class QueueFullError(KVRagError):
+    """The scheduler already holds as many waiting requests as it was allowed to queue."""
+
+
+class RequestTimeoutError(KVRagError, TimeoutError):
+    """A request waited in the queue longer than its `max_time`."""

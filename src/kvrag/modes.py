@@ -53,16 +53,23 @@ def full(blocks: Blocks, prompt: Prompt, keys, ws: Workspace, keep: int, config=
 
 
 def block(blocks: Blocks, prompt: Prompt, keys, ws: Workspace, keep: int, config=None, reorder: bool = True) -> Prefill:
-    position, stored, hits = blocks.assemble(prompt, keys, ws, reorder)
-    cache = ws.cache(position)
-    logits = forward(blocks.model, prompt.question, cache, position, keep)
-    reused = int(stored.sum())
-    computed = position - reused + len(prompt.question)
-    return Prefill(logits, cache, position + len(prompt.question), computed, reused, hits, ws)
+    state = placed(blocks, prompt, keys, ws, reorder)
+    state.logits = forward(blocks.model, prompt.question, state.cache, state.next_position, keep)
+    state.next_position += len(prompt.question)
+    return state
 
 
 def composite(blocks: Blocks, prompt: Prompt, keys, ws: Workspace, keep: int, config=None) -> Prefill:
     return block(blocks, prompt, keys, ws, keep, reorder=False)
+
+
+def placed(blocks: Blocks, prompt: Prompt, keys, ws: Workspace, reorder: bool = True) -> Prefill:
+    """Block (or composite) mode's cache without the question, whose prefill is left to the caller: the
+    scheduler runs many requests' questions through the model together. `next_position` is the question's."""
+    position, stored, hits = blocks.assemble(prompt, keys, ws, reorder)
+    reused = int(stored.sum())
+    computed = position - reused + len(prompt.question)
+    return Prefill(None, ws.cache(position), position, computed, reused, hits, ws)
 
 
 def blend(blocks: Blocks, prompt: Prompt, keys, ws: Workspace, keep: int, config: blend_lib.BlendConfig) -> Prefill:
@@ -111,5 +118,8 @@ def store_pending(blocks: Blocks, state: Prefill) -> None:
     for key, context, slot, ids in state.pending:
         blocks.store.put(key, context, blocks.copy_out(state.workspace, slot, ids))
 
+
+QUESTION_LEFT = {"block": True, "composite": False}
+"""The modes whose question can be left to the caller (`placed`), with their `reorder`."""
 
 PREFILL = {"full": full, "block": block, "composite": composite, "prefix": prefix, "blend": blend}
