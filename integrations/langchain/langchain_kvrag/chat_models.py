@@ -15,14 +15,14 @@ prompt that renders to the same text gives the same blocks and the same answer e
 """
 
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 from kvrag import GenerationResult, KVEngine, Mode, Passage
-from langchain_core.callbacks import CallbackManagerForLLMRun
+from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
 from langchain_core.language_models import BaseChatModel, LangSmithParams
-from langchain_core.language_models.chat_models import generate_from_stream
+from langchain_core.language_models.chat_models import agenerate_from_stream, generate_from_stream
 from langchain_core.messages import (
     AIMessage,
     AIMessageChunk,
@@ -164,25 +164,30 @@ class ChatKVRag(BaseChatModel):
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> Iterator[ChatGenerationChunk]:
-        options = self._options(stop, kwargs)
-        text, spans = self.render(messages)
-        stream = self.engine.stream_text(text, spans, **options)
+        stream, spans, mode = self._submit(messages, stop, kwargs)
         for delta in stream:
             chunk = ChatGenerationChunk(message=AIMessageChunk(content=delta))
             if run_manager:
                 run_manager.on_llm_new_token(delta, chunk=chunk)
             yield chunk
-        result = stream.result
-        _check_reuse(result, spans, options["mode"])
-        yield ChatGenerationChunk(
-            message=AIMessageChunk(
-                content="",
-                usage_metadata=_usage(result),
-                response_metadata=self._metadata(result, options["mode"]),
-                chunk_position="last",
-            ),
-            generation_info={"finish_reason": result.finish_reason},
-        )
+        yield self._last_chunk(stream.result, spans, mode)
+
+    async def _astream(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> AsyncIterator[ChatGenerationChunk]:
+        """Read from the engine's scheduler on the event loop, no thread per request: concurrent calls
+        (`abatch`, many users) are decoded in one batch."""
+        stream, spans, mode = self._submit(messages, stop, kwargs)
+        async for delta in stream:
+            chunk = ChatGenerationChunk(message=AIMessageChunk(content=delta))
+            if run_manager:
+                await run_manager.on_llm_new_token(delta, chunk=chunk)
+            yield chunk
+        yield self._last_chunk(stream.result, spans, mode)
 
     def _generate(
         self,
@@ -193,12 +198,43 @@ class ChatKVRag(BaseChatModel):
     ) -> ChatResult:
         if self.streaming:
             return generate_from_stream(self._stream(messages, stop, run_manager, **kwargs))
+        stream, spans, mode = self._submit(messages, stop, kwargs)
+        return self._chat_result(stream.drain(), spans, mode)
+
+    async def _agenerate(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> ChatResult:
+        if self.streaming:
+            return await agenerate_from_stream(self._astream(messages, stop, run_manager, **kwargs))
+        stream, spans, mode = self._submit(messages, stop, kwargs)
+        async for _ in stream:
+            pass
+        return self._chat_result(stream.result, spans, mode)
+
+    def _submit(self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any]):
         options = self._options(stop, kwargs)
         text, spans = self.render(messages)
-        result = self.engine.generate_text(text, spans, **options)
-        _check_reuse(result, spans, options["mode"])
-        metadata = self._metadata(result, options["mode"])
-        message = AIMessage(content=result.text, usage_metadata=_usage(result), response_metadata=metadata)
+        return self.engine.stream_text(text, spans, **options), spans, options["mode"]
+
+    def _last_chunk(self, result: GenerationResult, spans, mode: str) -> ChatGenerationChunk:
+        _check_reuse(result, spans, mode)
+        return ChatGenerationChunk(
+            message=AIMessageChunk(
+                content="",
+                usage_metadata=_usage(result),
+                response_metadata=self._metadata(result, mode),
+                chunk_position="last",
+            ),
+            generation_info={"finish_reason": result.finish_reason},
+        )
+
+    def _chat_result(self, result: GenerationResult, spans, mode: str) -> ChatResult:
+        _check_reuse(result, spans, mode)
+        message = AIMessage(content=result.text, usage_metadata=_usage(result), response_metadata=self._metadata(result, mode))
         return ChatResult(generations=[ChatGeneration(message=message, generation_info={"finish_reason": result.finish_reason})])
 
     def _metadata(self, result: GenerationResult, mode: str) -> dict[str, Any]:

@@ -202,3 +202,16 @@ async def test_async_streaming_leaves_the_event_loop_free(llm):
     finally:
         ticker.cancel()
     assert "".join(deltas).strip() and ticks >= len(deltas) // 2
+
+
+async def test_concurrent_async_calls_are_decoded_together(llm, monkeypatch):
+    from kvrag import scheduler
+
+    sizes = []
+    packed = scheduler.forward_packed
+    monkeypatch.setattr(scheduler, "forward_packed", lambda model, runs: sizes.append(len(runs)) or packed(model, runs))
+    prompts = ["Name a colour.", "Name a fruit.", "Name a season.", "Name an animal."]
+    alone = [llm.complete(p, max_new_tokens=12).text for p in prompts]
+    together = await asyncio.gather(*(llm.acomplete(p, max_new_tokens=12) for p in prompts))
+    assert [r.text for r in together] == alone
+    assert max(sizes) > 1

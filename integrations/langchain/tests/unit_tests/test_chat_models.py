@@ -1,6 +1,7 @@
 """ChatKVRag on a tiny random-weight model: LangChain's standard unit suite, how messages become one
 prompt with passage spans, and the call options. (The real default model: integration_tests.)"""
 
+import asyncio
 import functools
 
 import pytest
@@ -149,3 +150,26 @@ def test_the_bench_layouts_render_as_langchains_prompts_reach_chatkvrag(llm, eng
     context = DEFAULT_DOCUMENT_SEPARATOR.join([P1, P2])
     sent = prompt.invoke({"context": context, "question": "Who built the lighthouse?"}).to_messages()
     assert llm.render(sent)[0] == layout.render(engine, "Who built the lighthouse?", [P1, P2])[0]
+
+
+async def test_abatch_and_astream_are_decoded_together(engine, monkeypatch):
+    """Concurrent async calls reach the engine's scheduler as one batch, and each answer is the one
+    its call gets alone (greedy)."""
+    from kvrag import scheduler
+
+    sizes = []
+    packed = scheduler.forward_packed
+    monkeypatch.setattr(scheduler, "forward_packed", lambda model, runs: sizes.append(len(runs)) or packed(model, runs))
+    llm = ChatKVRag(engine=engine, max_tokens=12)
+    questions = [f"Who painted mural number {i}?" for i in range(6)]
+    alone = [llm.invoke(q).content for q in questions]
+    assert max(sizes) == 1
+    assert [m.content for m in await llm.abatch(questions)] == alone
+    assert max(sizes) > 1
+    sizes.clear()
+
+    async def streamed(q):
+        return "".join([chunk.content async for chunk in llm.astream(q)])
+
+    assert await asyncio.gather(*(streamed(q) for q in questions)) == alone
+    assert max(sizes) > 1

@@ -14,7 +14,6 @@ Both become one rendered chat-template string plus the passages' character spans
 prompt that renders to the same text gets the same blocks and the same answer either way.
 """
 
-import asyncio
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import asdict
 from pathlib import Path
@@ -172,9 +171,13 @@ class KVRagLLM(CustomLLM):
 
     def _generate(self, rendered: tuple[str, Any], options: dict[str, Any]) -> tuple[str, dict, dict]:
         result = self._engine.generate_text(*rendered, **options)
-        stats = self._stats(result)
-        learning.observe(stats, options["mode"], explicit=rendered[1] is not None)
-        return result.text, stats, asdict(result)
+        return result.text, *self._finish(result, rendered, options)
+
+    async def _agenerate(self, rendered: tuple[str, Any], options: dict[str, Any]) -> tuple[str, dict, dict]:
+        stream = self._engine.stream_text(*rendered, **options)
+        async for _ in stream:
+            pass
+        return stream.result.text, *self._finish(stream.result, rendered, options)
 
     def _stream(self, rendered: tuple[str, Any], options: dict[str, Any]) -> Iterator[tuple[str, str, dict, dict | None]]:
         """(text so far, delta, stats, raw) per token; a last item with an empty delta carries the stats."""
@@ -183,9 +186,20 @@ class KVRagLLM(CustomLLM):
         for delta in stream:
             text += delta
             yield text, delta, {}, None
-        stats = self._stats(stream.result)
+        yield text, "", *self._finish(stream.result, rendered, options)
+
+    async def _astream(self, rendered: tuple[str, Any], options: dict[str, Any]) -> AsyncIterator[tuple[str, str, dict, dict | None]]:
+        stream = self._engine.stream_text(*rendered, **options)
+        text = ""
+        async for delta in stream:
+            text += delta
+            yield text, delta, {}, None
+        yield text, "", *self._finish(stream.result, rendered, options)
+
+    def _finish(self, result: GenerationResult, rendered: tuple[str, Any], options: dict[str, Any]) -> tuple[dict, dict]:
+        stats = self._stats(result)
         learning.observe(stats, options["mode"], explicit=rendered[1] is not None)
-        yield text, "", stats, asdict(stream.result)
+        return stats, asdict(result)
 
     # Prompts and options are checked when called; only generation waits for the first `next`.
 
@@ -226,30 +240,28 @@ class KVRagLLM(CustomLLM):
     def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
         return self._stream_chat(messages, **kwargs)
 
-    # The async variants run the same work in a worker thread, so the event loop keeps going.
+    # The async variants read from the engine's scheduler on the event loop, no thread per request: concurrent
+    # calls are decoded in one batch.
 
     @llm_completion_callback()
     async def acomplete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
-        return await asyncio.to_thread(self._complete, prompt, formatted, **kwargs)
+        text, stats, raw = await self._agenerate(self._render_completion(prompt, formatted), self._options(kwargs))
+        return CompletionResponse(text=text, raw=raw, additional_kwargs=stats)
 
     @llm_completion_callback()
     async def astream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseAsyncGen:
-        return _in_thread(self._stream_complete(prompt, formatted, **kwargs))
+        steps = self._astream(self._render_completion(prompt, formatted), self._options(kwargs))
+        return (CompletionResponse(text=text, delta=delta, raw=raw, additional_kwargs=stats) async for text, delta, stats, raw in steps)
 
     @llm_chat_callback()
     async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
-        return await asyncio.to_thread(self._chat, messages, **kwargs)
+        text, stats, raw = await self._agenerate(self.render(messages), self._options(kwargs))
+        return ChatResponse(message=_assistant(text), raw=raw, additional_kwargs=stats)
 
     @llm_chat_callback()
     async def astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseAsyncGen:
-        return _in_thread(self._stream_chat(messages, **kwargs))
-
-
-async def _in_thread(items: Iterator) -> AsyncIterator:
-    """Each item of a blocking iterator computed in a worker thread."""
-    done = object()
-    while (item := await asyncio.to_thread(next, items, done)) is not done:
-        yield item
+        steps = self._astream(self.render(messages), self._options(kwargs))
+        return (ChatResponse(message=_assistant(text), delta=delta, raw=raw, additional_kwargs=stats) async for text, delta, stats, raw in steps)
 
 
 def _assistant(text: str) -> ChatMessage:
