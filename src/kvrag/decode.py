@@ -127,7 +127,10 @@ class GenerationStream:
     def _wake(self) -> None:
         self._cond.notify_all()
         for loop, event in self._wakers:
-            loop.call_soon_threadsafe(event.set)
+            try:
+                loop.call_soon_threadsafe(event.set)
+            except RuntimeError:  # its loop closed with the iteration unfinished: nobody to wake
+                pass
 
     # ---- the consumer's side ------------------------------------------------------------------------
 
@@ -140,7 +143,7 @@ class GenerationStream:
         self.cancelled = True
 
     def _next(self):
-        """A delta, or None once the request is over (its error raised)."""
+        """A delta; None once the request is over (its error raised); `...` while the next is not there yet."""
         if self._deltas:
             return self._deltas.popleft()
         if self._done:

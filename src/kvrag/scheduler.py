@@ -81,8 +81,11 @@ class Scheduler:
                         self._running = False
                         _RUNNING.discard(self)
                         return
-                for generation in admit:
-                    self._admit(generation)
+                while admit:  # those that come while these are placed join the same model call
+                    for generation in admit:
+                        self._admit(generation)
+                    with self._lock:
+                        admit = self._take()
                 self._active = [g for g in self._active if self._still_running(g)]
                 if self._active:
                     self._step()

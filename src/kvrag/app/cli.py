@@ -1,4 +1,5 @@
-"""Command line: kvrag index | ask | demo | finetune | bench ttft | bench load | bench accuracy | kernels build | kernels status.
+"""Command line: kvrag index | ask | serve | demo | finetune | bench ttft | bench load | bench accuracy |
+bench serve | kernels build | kernels status.
 
 The research harness (kvrag.eval, kvrag.train) and matplotlib are imported inside the commands that
 use them, so `kvrag --help` and `kvrag ask` never load them. The defaults shown for the harness's
@@ -51,10 +52,11 @@ def _read(files) -> dict:
     return {f: read_text(f) for f in files}
 
 
-def _passages(engine, texts: dict, max_tokens: int):
+def _passages(encode, texts: dict, max_tokens: int):
+    """Every file's passages and their sources; `encode` is the model's tokenizer (text -> ids)."""
     from .split import split_passages
 
-    count = lambda text: len(engine.layout.encode(text))  # noqa: E731
+    count = lambda text: len(encode(text))  # noqa: E731
     passages, sources = [], []
     for f, text in texts.items():
         for p in split_passages(text, count, max_tokens):
@@ -63,14 +65,61 @@ def _passages(engine, texts: dict, max_tokens: int):
     return passages, sources
 
 
+def _tokenizer(source):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(source, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise KVRagError(f"cannot load a tokenizer from {str(source)!r} (kvrag never downloads): {exc}") from exc
+
+
+def _api_key(args) -> str | None:
+    return args.api_key or os.environ.get("KVRAG_API_KEY") or None
+
+
+def _send_passages(url: str, api_key: str | None, passages: list[str], batch: int = 64) -> None:
+    """POST the passages to a running `kvrag serve` (its /v1/passages), a batch at a time."""
+    import urllib.error
+    import urllib.request
+
+    endpoint = url.rstrip("/").removesuffix("/v1") + "/v1/passages"
+    headers = {"Content-Type": "application/json"}
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
+    for start in range(0, len(passages), batch):
+        body = json.dumps({"passages": passages[start : start + batch]}).encode()
+        request = urllib.request.Request(endpoint, data=body, headers=headers, method="POST")
+        try:
+            with urllib.request.urlopen(request, timeout=3600) as response:
+                response.read()
+        except urllib.error.HTTPError as exc:
+            try:
+                message = json.loads(exc.read())["error"]["message"]
+            except (ValueError, KeyError, TypeError):
+                message = exc.reason
+            raise KVRagError(f"{endpoint} answered {exc.code}: {message}") from exc
+        except urllib.error.URLError as exc:
+            raise KVRagError(f"cannot reach {endpoint}: {exc.reason}") from exc
+
+
 def cmd_index(args):
     from .retrieval import PassageIndex
     from .split import text_files
 
     files = text_files(args.paths)
     texts = _read(files)
+    if args.server:  # the server computes and keeps the KV; here only the tokenizer, to cut the passages
+        from kvrag import loading
+
+        tokenizer = _tokenizer(loading.resolve_model_dir(args.model, Path(args.home) if args.home else None))
+        encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+        passages, _ = _passages(encode, texts, args.max_tokens)
+        _send_passages(args.server, _api_key(args), passages)
+        print(f"indexed {len(passages)} passages from {len(files)} files on {args.server}")
+        return
     engine = _engine(args)
-    passages, sources = _passages(engine, texts, args.max_tokens)
+    passages, sources = _passages(engine.layout.encode, texts, args.max_tokens)
     engine.index(passages)  # its progress bar shows how many were newly encoded
     PassageIndex(_home(args) / "chroma").add(passages, sources)
     print(f"indexed {len(passages)} passages from {len(files)} files")
@@ -100,6 +149,18 @@ def cmd_ask(args):
     _print_stats(stream.result)
 
 
+def cmd_serve(args):
+    import uvicorn
+
+    from .server import create_app
+
+    engine = _engine(args, max_batch=args.max_batch, max_queue=args.max_queue)
+    app = create_app(engine, api_key=_api_key(args), default_mode=args.mode)
+    print(f"kvrag: OpenAI-compatible API on http://{args.host}:{args.port}/v1"
+          f"{' (API key required)' if _api_key(args) else ''}", file=sys.stderr)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+
+
 def cmd_demo(args):
     from kvrag.eval.metrics import answer_in_output
 
@@ -109,7 +170,7 @@ def cmd_demo(args):
     files = sorted(sample.glob("*.md"))
     questions = json.loads(Path(args.questions or sample / "questions.json").read_text())
     engine = _engine(args)
-    passages, sources = _passages(engine, _read(files), args.max_tokens)
+    passages, sources = _passages(engine.layout.encode, _read(files), args.max_tokens)
     print(f"Indexing {len(passages)} passages about a fictional island (KV computed once, then cached)...")
     engine.index(passages)
     # one collection per version of the corpus, so passages of an older sample are never retrieved
@@ -142,8 +203,6 @@ def cmd_demo(args):
 def _random_engine(args, lengths):
     """`--shape NAME --random-weights`: (engine, header line). Everything is checked (the options, the
     context window, the memory) before the model is built."""
-    from transformers import AutoTokenizer
-
     from kvrag import loading
     from kvrag.eval import shapes
     from kvrag.eval.ttft import prompt_length
@@ -157,11 +216,7 @@ def _random_engine(args, lengths):
         raise KVRagError("--shape builds random weights: there is nothing to merge an adapter into")
     device = loading.resolve_device(args.device)
     dtype = loading.resolve_dtype(args.dtype, device)
-    source = args.tokenizer or loading.resolve_model_dir(None, Path(args.home) if args.home else None)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=True)
-    except (OSError, ValueError) as exc:
-        raise KVRagError(f"cannot load a tokenizer from {str(source)!r} (kvrag never downloads): {exc}") from exc
+    tokenizer = _tokenizer(args.tokenizer or loading.resolve_model_dir(None, Path(args.home) if args.home else None))
     layout = PromptLayout(tokenizer)
     tokens = max(prompt_length(layout, length) for length in lengths) + 1  # and the first generated token
     engine = shapes.random_engine(args.shape, tokenizer, device=device, dtype=dtype, tokens=tokens, layers=args.layers,
@@ -215,6 +270,20 @@ def cmd_bench_load(args):
     print(f"  kvrag, KVEngine.from_pretrained:   {times['kvrag']:.3f} ({times['kvrag'] / times['plain_tokenizer']:.2f}x "
           f"the model and tokenizer, {times['kvrag'] / times['plain']:.2f}x the model alone)")
     print(f"  kvrag, first load (digests made):  {times['first']:.3f}")
+
+
+def cmd_bench_serve(args):
+    from kvrag.eval.serving import benchmark
+
+    clients = [int(x) for x in args.clients.split(",")]
+    modes = [m.strip() for m in args.modes.split(",")]
+    # the servers load the same model as this process, which measures the batch floor
+    same = [f"--{name.replace('_', '-')}={getattr(args, name)}" for name in ("model", "adapter", "adapter_scope",
+            "block_context", "device", "dtype") if getattr(args, name) is not None]
+    engine = _engine(args)
+    print(f"kvrag serve on localhost: {args.per_client} streamed questions per client (sample corpus, top 4 passages, "
+          f"LangChain's retrieval prompt), at most {args.max_new_tokens} new tokens, greedy")
+    benchmark(engine, _home(args), clients, modes, args.per_client, args.max_new_tokens, args.max_batch, args.soak, same)
 
 
 def _check_plotting(args) -> None:
@@ -366,6 +435,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = _command(sub, "index", "split text/markdown files into passages and precompute their KV")
     p.add_argument("paths", nargs="+", help="text files, or directories searched for .txt/.md/.markdown/.rst files")
     p.add_argument("--max-tokens", type=int, default=200, help="longest passage in tokens")
+    p.add_argument("--server", help="URL of a running `kvrag serve` that computes and keeps the passages' KV "
+                                    "instead of this process; nothing is stored here (default: none)")
+    p.add_argument("--api-key", help="the server's API key (default: $KVRAG_API_KEY, else none)")
     p.set_defaults(func=cmd_index)
 
     p = _command(sub, "ask", "answer a question from the indexed passages")
@@ -377,6 +449,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=4, help="passages retrieved for the question")
     p.add_argument("--max-new-tokens", type=int, default=128, help="longest answer in tokens")
     p.set_defaults(func=cmd_ask)
+
+    p = _command(sub, "serve", "an OpenAI-compatible HTTP API: chat completions reusing passages' KV, embeddings")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on; 0.0.0.0 opens it to the network")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on")
+    p.add_argument("--api-key", help="key every /v1 request must send as 'Authorization: Bearer KEY' "
+                                     "(default: $KVRAG_API_KEY, else none: open to whoever reaches the port)")
+    p.add_argument("--mode", choices=MODES, default="block", help="mode of requests that name none "
+                                                                  "(a request's kvrag.mode chooses its own)")
+    p.add_argument("--max-batch", type=int, default=16, help="requests whose decode steps run together")
+    p.add_argument("--max-queue", type=int, default=256, help="requests that may wait; more are refused with 429")
+    p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
+                   help="uvicorn's log level")
+    p.set_defaults(func=cmd_serve)
 
     p = _command(sub, "demo", "index the bundled sample corpus and compare full vs block mode")
     p.add_argument("--top-k", type=int, default=3, help="passages retrieved per question")
@@ -459,6 +544,15 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--results", help="JSON-lines file of answers; a rerun resumes it (default: under the cache directory)")
     b.add_argument("--plot", help="PNG to write, needs matplotlib (default: next to the results; '' for none)")
     b.set_defaults(func=cmd_bench_accuracy)
+
+    b = _command(bench, "serve", "many clients against kvrag serve: batched scheduler vs one request at a time")
+    b.add_argument("--clients", default="1,4,16", help="comma-separated numbers of concurrent clients")
+    b.add_argument("--modes", default="block,full", help="comma-separated modes")
+    b.add_argument("--per-client", type=int, default=2, help="questions each client asks, one after another")
+    b.add_argument("--max-new-tokens", type=int, default=32, help="longest answer in tokens")
+    b.add_argument("--max-batch", type=int, default=16, help="the batched server's --max-batch")
+    b.add_argument("--soak", type=int, default=0, help="then this many requests from 16 clients, counting errors")
+    b.set_defaults(func=cmd_bench_serve)
 
     p = _command(sub, "kernels", "the optional C attention kernels", model=False)
     kernels = p.add_subparsers(dest="kernels", required=True, metavar="ACTION")

@@ -56,6 +56,12 @@ class Embedder:
     def embed(self, texts: list[str]) -> list[list[float]]:
         return self.model.encode(list(texts), normalize_embeddings=True, convert_to_numpy=True).tolist()
 
+    def count_tokens(self, texts: list[str]) -> int:
+        """Tokens the model reads from `texts`, each cut at its limit as `embed` cuts it (an embeddings
+        API's usage)."""
+        ids = self.model.tokenizer(list(texts))["input_ids"]
+        return sum(min(len(i), self.model.max_seq_length) for i in ids)
+
 
 def passage_id(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:32]

@@ -1,0 +1,487 @@
+"""`kvrag serve`: an OpenAI-compatible HTTP API over one KVEngine.
+
+An OpenAI client (the `openai` package, LangChain's ChatOpenAI, LlamaIndex's OpenAILike) reaches kvrag
+by changing its base URL. Chat messages are rendered with the model's chat template and the indexed
+passages found in the text reuse their KV, as `engine.generate_text` does in process; the reuse shows
+in `usage.prompt_tokens_details.cached_tokens`. Passages are indexed over HTTP (`POST /v1/passages`,
+kvrag's own endpoint) and `/v1/embeddings` serves the packaged all-MiniLM-L6-v2, so one server backs
+both halves of an OpenAI-style RAG app. Every error has OpenAI's JSON shape, so the clients raise
+their usual exceptions.
+
+Defaults where a request names nothing: greedy decoding (temperature 0, so the answer is the
+in-process engine's) and at most `DEFAULT_MAX_TOKENS` tokens. With an API key set, every /v1 path
+needs `Authorization: Bearer KEY`; /health and /metrics stay open, as vLLM's do.
+"""
+
+import base64
+import json
+import secrets
+import threading
+import time
+import uuid
+from contextlib import contextmanager
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
+from starlette.routing import Match
+
+from kvrag import MODES, ContextOverflowError
+from kvrag.errors import QueueFullError, RequestTimeoutError
+from kvrag.modes import Mode
+
+DEFAULT_MAX_TOKENS = 256
+"""Longest answer when a request names no max_tokens (OpenAI's own limit is the rest of the context)."""
+EMBEDDING_MODEL = "all-MiniLM-L6-v2"
+EMBEDDING_MODELS = (EMBEDDING_MODEL, f"sentence-transformers/{EMBEDDING_MODEL}")
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+_DONE = b"data: [DONE]\n\n"
+_UNSUPPORTED = {  # OpenAI parameters asking for what kvrag cannot do: refused, never silently ignored
+    "tools": bool,
+    "functions": bool,
+    "logprobs": bool,
+    "top_logprobs": bool,
+    "logit_bias": bool,
+    "presence_penalty": bool,
+    "frequency_penalty": bool,
+    "audio": bool,
+    "response_format": lambda v: not (isinstance(v, dict) and v.get("type") == "text"),
+    "modalities": lambda v: v != ["text"],
+}
+
+
+class APIError(Exception):
+    """An error response in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.body = {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body, status_code=self.status)
+
+
+@contextmanager
+def _engine_errors():
+    """The engine's refusals as API errors: the client's fault is a 400, a full queue a 429."""
+    try:
+        yield
+    except ContextOverflowError as exc:
+        raise APIError(400, str(exc), param="messages", code="context_length_exceeded") from exc
+    except QueueFullError as exc:
+        raise APIError(429, str(exc) or "the server's queue is full; retry later", type="rate_limit_error",
+                       code="queue_full") from exc
+    except RequestTimeoutError as exc:
+        raise APIError(503, str(exc) or "the request waited too long in the queue", type="server_error",
+                       code="timeout") from exc
+    except (ValueError, TypeError) as exc:  # EmptyInputError, InputEncodingError, options out of range
+        raise APIError(400, str(exc)) from exc
+
+
+# ---- request bodies ----------------------------------------------------------------------------------
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="allow")  # name, refusal, ...
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[dict[str, Any]] | None = None
+
+
+class KVRagOptions(BaseModel):
+    """The request's `kvrag` object (`extra_body={"kvrag": {...}}` in the openai client)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    mode: Mode | None = None
+    blend_ratio: float | None = Field(default=None, ge=0.0, le=1.0)  # BlendConfig.recompute_ratio, mode blend
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class ChatRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")  # OpenAI's other parameters: ignored unless in _UNSUPPORTED
+
+    model: str | None = None
+    messages: list[Message] = Field(min_length=1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)  # what torch's generator takes
+    stop: str | list[str] | None = None
+    n: int | None = None
+    kvrag: KVRagOptions | None = None
+
+
+class EmbeddingsRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")  # user
+
+    input: str | list[str]
+    model: str | None = None
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+
+
+class PassagesRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    passages: str | list[str] | None = None
+    input: str | list[str] | None = None  # the same, named as /v1/embeddings names it
+    model: str | None = None
+
+
+# ---- streaming -----------------------------------------------------------------------------------------
+
+
+class _EventStream(StreamingResponse):
+    """Server-sent events whose generator is closed however the response ends: starlette stops
+    reading it when the client disconnects, and only closing it cancels the generation behind it."""
+
+    media_type = "text/event-stream"
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
+
+
+def _sse(payload: dict) -> bytes:
+    return b"data: " + json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+
+# ---- metrics and the gate every request passes ----------------------------------------------------------
+
+
+class Metrics:
+    """Prometheus metrics in a registry of the app's own (two apps in one process never share counts)."""
+
+    def __init__(self, engine):
+        self.registry = registry = CollectorRegistry()
+        self.requests = Counter("kvrag_requests", "HTTP requests by endpoint and status", ["endpoint", "status"],
+                                registry=registry)
+        self.ttft = Histogram("kvrag_ttft_seconds", "time to first token of chat completions", buckets=TTFT_BUCKETS,
+                              registry=registry)
+        self.queue = Gauge("kvrag_queue_depth", "requests waiting for the engine's scheduler", registry=registry)
+        self.queue.set_function(lambda: queue_depth(engine))
+        self.in_progress = 0
+        self.active = Gauge("kvrag_active_requests", "chat completions in progress", registry=registry)
+        self.active.set_function(lambda: self.in_progress)
+        self.reused = Counter("kvrag_reused_tokens", "prompt tokens whose KV was reused", registry=registry)
+        self.prefilled = Counter("kvrag_prefilled_tokens", "prompt tokens prefilled", registry=registry)
+        self.generated = Counter("kvrag_generated_tokens", "completion tokens generated", registry=registry)
+        self.cache_hits = Counter("kvrag_cache_hits", "blocks served from the KV store, by tier", ["tier"],
+                                  registry=registry)
+
+    def record(self, result) -> None:
+        if result.ttft is not None:
+            self.ttft.observe(result.ttft)
+        self.reused.inc(result.reused_tokens)
+        self.prefilled.inc(result.prefilled_tokens)
+        self.generated.inc(result.generated_tokens)
+        for tier, hits in result.cache_hits.items():
+            self.cache_hits.labels(tier).inc(hits)
+
+
+def queue_depth(engine) -> int:
+    return engine.scheduler.waiting
+
+
+class Gate:
+    """ASGI middleware: the API key before anything else is read, and every request counted by route
+    template and status (the stream of a completion counts as active until its last byte)."""
+
+    def __init__(self, app, *, fastapi: FastAPI, metrics: Metrics, api_key: str | None):
+        self.app, self.fastapi, self.metrics, self.api_key = app, fastapi, metrics, api_key
+
+    def _endpoint(self, scope) -> str:
+        """The route's path template ("/v1/models/{model_id:path}"), also for a method it does not take."""
+        matches = {route.matches(scope)[0]: route.path for route in reversed(self.fastapi.routes)}
+        return matches.get(Match.FULL) or matches.get(Match.PARTIAL) or "unmatched"
+
+    def _authorized(self, scope) -> bool:
+        headers = dict(scope["headers"])
+        scheme, _, key = headers.get(b"authorization", b"").decode("latin-1").partition(" ")
+        return scheme.lower() == "bearer" and secrets.compare_digest(key.strip().encode(), self.api_key.encode())
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        endpoint, status = self._endpoint(scope), 500
+        active = endpoint == "/v1/chat/completions"
+
+        async def sending(message):
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        if active:
+            self.metrics.in_progress += 1
+        try:
+            if self.api_key and scope["path"].startswith("/v1/") and not self._authorized(scope):
+                error = APIError(401, "Incorrect or missing API key: send the header 'Authorization: Bearer KEY'.",
+                                 code="invalid_api_key")
+                await error.response()(scope, receive, sending)
+            else:
+                await self.app(scope, receive, sending)
+        finally:
+            if active:
+                self.metrics.in_progress -= 1
+            self.metrics.requests.labels(endpoint, str(status)).inc()
+
+
+# ---- the app --------------------------------------------------------------------------------------------
+
+
+def create_app(engine, *, api_key: str | None = None, model_name: str | None = None, default_mode: str = "block",
+               embedder=None) -> FastAPI:
+    """The HTTP API over `engine`. `model_name`: the id clients send and /v1/models lists (default: the
+    model's directory name). `default_mode`: the mode of requests that name none. `embedder`: what
+    /v1/embeddings runs, with `embed(texts)` and `count_tokens(texts)` (default: the packaged MiniLM,
+    loaded on first use)."""
+    if default_mode not in MODES:
+        raise ValueError(f"default_mode must be one of {MODES}, got {default_mode!r}")
+    name = model_name or Path(engine.model.name_or_path).name or "kvrag"
+    created = int(time.time())
+    fingerprint = f"fp_{engine.fingerprint[:12]}"
+    metrics = Metrics(engine)
+    app = FastAPI(title="kvrag", summary="OpenAI-compatible API over kvrag's KV-reusing engine")
+    app.state.engine, app.state.metrics = engine, metrics
+    app.add_middleware(Gate, fastapi=app, metrics=metrics, api_key=api_key)
+    embedding = {"model": embedder, "lock": threading.Lock()}
+
+    @app.exception_handler(APIError)
+    async def api_error(request, exc: APIError):
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request, exc: RequestValidationError):
+        """FastAPI's 422 as OpenAI's 400."""
+        first = exc.errors()[0]
+        if first.get("type") == "json_invalid":
+            return APIError(400, f"We could not parse the JSON body of your request: {first.get('msg')}").response()
+        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or None
+        message = f"Invalid {f'value for {where!r}' if where else 'request'}: {first.get('msg')}"
+        return APIError(400, message, param=where).response()
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request, exc: HTTPException):
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        return APIError(exc.status_code, str(exc.detail), code=code).response()
+
+    @app.exception_handler(Exception)
+    async def server_error(request, exc: Exception):
+        return APIError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error").response()
+
+    def check_model(model: str | None, served: tuple[str, ...] = (name,)) -> None:
+        if model is not None and model not in served:
+            raise APIError(404, f"The model '{model}' does not exist: this server serves '{served[0]}'.",
+                           param="model", code="model_not_found")
+
+    def model_card() -> dict:
+        return {"id": name, "object": "model", "created": created, "owned_by": "kvrag"}
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "model": name, "queue_depth": queue_depth(engine),
+                "active_requests": metrics.in_progress}
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        check_model(model_id)
+        return model_card()
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatRequest, request: Request):
+        check_model(body.model)
+        refused = [k for k, asks in _UNSUPPORTED.items() if (body.model_extra or {}).get(k) is not None
+                   and asks(body.model_extra[k])]
+        if refused:
+            raise APIError(400, f"'{refused[0]}' is not supported by kvrag", param=refused[0],
+                           code="unsupported_parameter")
+        if body.n not in (None, 1):
+            raise APIError(400, "n must be 1: kvrag returns one choice per request", param="n")
+        text = _render(engine, body.messages)
+        mode = (body.kvrag and body.kvrag.mode) or default_mode
+        options = {
+            "mode": mode,
+            "max_new_tokens": body.max_completion_tokens or body.max_tokens or DEFAULT_MAX_TOKENS,
+            "temperature": 0.0 if body.temperature is None else body.temperature,
+            "top_p": 1.0 if body.top_p is None else body.top_p,
+            "seed": body.seed,
+            "stop": body.stop,
+        }
+        if body.kvrag and body.kvrag.blend_ratio is not None:
+            options["blend"] = replace(engine.blend, recompute_ratio=body.kvrag.blend_ratio)
+        with _engine_errors():
+            stream = engine.stream_text(text, None, **options)
+        deltas = aiter(stream)  # read on the event loop; closing it early cancels the generation
+        head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": name,
+                "system_fingerprint": fingerprint}
+
+        if not body.stream:
+            with _engine_errors():
+                async for _ in deltas:
+                    if await request.is_disconnected():  # nobody waits for the answer: free its slot
+                        stream.cancel()
+            result = stream.result
+            metrics.record(result)
+            choice = {"index": 0, "message": {"role": "assistant", "content": result.text, "refusal": None},
+                      "logprobs": None, "finish_reason": _finish_reason(result)}
+            return {**head, "object": "chat.completion", "choices": [choice], "usage": _usage(result),
+                    "kvrag": _stats(result)}
+
+        # the status is decided before any header is sent: the first delta (or the end) comes first
+        with _engine_errors():
+            first = await anext(deltas, None)
+        usage = body.stream_options is not None and body.stream_options.include_usage
+
+        def chunk(delta: dict, finish_reason=None, **extra) -> bytes:
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            payload = {**head, "object": "chat.completion.chunk", "choices": [choice], **extra}
+            return _sse({**payload, "usage": None} if usage else payload)
+
+        async def events():
+            try:
+                yield chunk({"role": "assistant", "content": ""})
+                with _engine_errors():
+                    if first is not None:
+                        yield chunk({"content": first})
+                        async for delta in deltas:
+                            yield chunk({"content": delta})
+            except APIError as exc:  # after the headers: the error goes as an event, as OpenAI sends it
+                yield _sse(exc.body)
+                yield _DONE
+                return
+            finally:
+                await deltas.aclose()  # a stream not read to the end is cancelled
+            result = stream.result
+            metrics.record(result)
+            yield chunk({}, _finish_reason(result), kvrag=_stats(result))
+            if usage:
+                yield _sse({**head, "object": "chat.completion.chunk", "choices": [], "usage": _usage(result)})
+            yield _DONE
+
+        return _EventStream(events(), headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    @app.post("/v1/passages")
+    async def passages(body: PassagesRequest):
+        """kvrag's own: compute and store the passages' KV now, so that prompts holding them reuse it."""
+        check_model(body.model)
+        texts = body.passages if body.passages is not None else body.input
+        if texts is None:
+            raise APIError(400, "send the passages as {\"passages\": [text, ...]}", param="passages")
+        texts = [texts] if isinstance(texts, str) else texts
+
+        def index():
+            ids = engine.index(texts, progress=False)
+            return ids, [len(engine.layout.passage_ids(t)) for t in texts]
+
+        with _engine_errors():
+            ids, tokens = await run_in_threadpool(index)
+        data = [{"object": "passage", "id": i, "tokens": n} for i, n in zip(ids, tokens)]
+        return {"object": "list", "data": data, "model": name, "usage": {"prompt_tokens": sum(tokens)}}
+
+    @app.post("/v1/embeddings")
+    async def embeddings(body: EmbeddingsRequest):
+        check_model(body.model, EMBEDDING_MODELS)
+        texts = [body.input] if isinstance(body.input, str) else body.input
+        if not texts or any(not t for t in texts):
+            raise APIError(400, "input must be a non-empty string or a list of non-empty strings", param="input")
+
+        def embed():
+            with embedding["lock"]:
+                if embedding["model"] is None:
+                    from .retrieval import Embedder
+
+                    embedding["model"] = Embedder()
+            model = embedding["model"]
+            return model.embed(texts), model.count_tokens(texts)
+
+        vectors, tokens = await run_in_threadpool(embed)
+        if body.dimensions is not None and body.dimensions != len(vectors[0]):
+            raise APIError(400, f"{EMBEDDING_MODEL} has {len(vectors[0])} dimensions", param="dimensions")
+        if body.encoding_format == "base64":
+            vectors = [base64.b64encode(np.asarray(v, dtype="<f4").tobytes()).decode() for v in vectors]
+        data = [{"object": "embedding", "index": i, "embedding": v} for i, v in enumerate(vectors)]
+        return {"object": "list", "data": data, "model": EMBEDDING_MODEL,
+                "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+
+    return app
+
+
+def _render(engine, messages: list[Message]) -> str:
+    """The chat-template text of OpenAI messages; text parts of one message are joined as
+    `PromptLayout.render_chat` joins parts."""
+    from jinja2 import TemplateError
+
+    turns = []
+    for i, message in enumerate(messages):
+        content = message.content
+        if isinstance(content, str):
+            parts = [content]
+        elif content is None:
+            if message.role != "assistant" or (message.model_extra or {}).get("tool_calls"):
+                raise APIError(400, f"messages[{i}] has no content", param=f"messages.{i}.content")
+            parts = []
+        else:
+            parts = []
+            for j, part in enumerate(content):
+                if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise APIError(400, f"messages[{i}].content[{j}]: only text parts are supported, got a "
+                                        f"{part.get('type')!r} part", param=f"messages.{i}.content.{j}")
+                parts.append(part["text"])
+        turns.append(("system" if message.role == "developer" else message.role, parts))
+    try:
+        text, _ = engine.layout.render_chat(turns)
+    except (ValueError, TemplateError) as exc:
+        raise APIError(400, str(exc), param="messages") from exc
+    return text
+
+
+def _finish_reason(result) -> str:
+    return "stop" if result.finish_reason == "stop" else "length"  # "timeout" ends by length of time
+
+
+def _usage(result) -> dict:
+    return {
+        "prompt_tokens": result.prompt_tokens,
+        "completion_tokens": result.generated_tokens,
+        "total_tokens": result.prompt_tokens + result.generated_tokens,
+        "prompt_tokens_details": {"cached_tokens": result.reused_tokens},
+    }
+
+
+def _stats(result) -> dict:
+    return {
+        "mode": result.mode,
+        "ttft": result.ttft,
+        "total_time": result.total_time,
+        "prefilled_tokens": result.prefilled_tokens,
+        "reused_tokens": result.reused_tokens,
+        "cache_hits": dict(result.cache_hits),
+    }
