@@ -78,14 +78,14 @@ def test_plain_rag_prompt_reuses_indexed_passages_and_answers_as_explicit_blocks
 
 
 def test_unmodified_stuff_documents_chain_reuses_indexed_passages(llm, monkeypatch):
-    results = []
-    generate_text = llm.engine.generate_text
+    streams = []
+    stream_text = llm.engine.stream_text
 
     def recording(text, spans=None, **options):
-        results.append(generate_text(text, spans, **options))
-        return results[-1]
+        streams.append(stream_text(text, spans, **options))
+        return streams[-1]
 
-    monkeypatch.setattr(llm.engine, "generate_text", recording)
+    monkeypatch.setattr(llm.engine, "stream_text", recording)
     prompt = ChatPromptTemplate.from_messages(
         [("system", "Answer the question from this context:\n\n{context}"), ("human", "{input}")]
     )
@@ -93,7 +93,7 @@ def test_unmodified_stuff_documents_chain_reuses_indexed_passages(llm, monkeypat
     block = create_stuff_documents_chain(llm, prompt).invoke({"context": docs, "input": QUESTION})
     full = create_stuff_documents_chain(llm.bind(mode="full"), prompt).invoke({"context": docs, "input": QUESTION})
     assert block.strip() and full.strip()
-    block_result, full_result = results
+    block_result, full_result = (s.result for s in streams)
     passage_tokens = sum(len(llm.engine.layout.block_ids(p)) for p in PASSAGES)
     assert block_result.reused_tokens >= passage_tokens
     assert block_result.prompt_tokens == full_result.prompt_tokens == full_result.prefilled_tokens
