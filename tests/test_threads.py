@@ -1,5 +1,8 @@
 """kvrag.threads: a core left to each core other processes keep busy, all taken back once they leave."""
 
+import os
+import threading
+
 import pytest
 import torch
 
@@ -80,3 +83,23 @@ def test_the_real_machine_can_be_read():
     sum(i * i for i in range(300_000))
     busy = threads._busy_seconds(cpus) - start
     assert 0 <= busy <= len(cpus) * (threads.time.monotonic() - wall + 0.02)
+
+
+def test_hand_over_ends_the_calling_threads_openmp_team():
+    """The worker's team must be the process's only one (see threads.py): a thread that ran torch with
+    threads keeps a team of its own until it hands over."""
+    assert threads._pause_resources() is not None  # CI's torch wheel uses GNU OpenMP
+    for worker in [t for t in threading.enumerate() if t.name == "kvrag-scheduler"]:
+        worker.join()  # an earlier test's, lingering: its end would change the count below
+    before = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        tasks = lambda: len(os.listdir("/proc/self/task"))  # noqa: E731
+        threads.hand_over()
+        alone = tasks()
+        torch.ones(1 << 22).exp_()  # large enough for a parallel region: the team's 2 other threads start
+        assert tasks() == alone + 2
+        threads.hand_over()
+        assert tasks() == alone
+    finally:
+        torch.set_num_threads(before)

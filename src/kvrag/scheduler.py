@@ -7,8 +7,8 @@ or a new request's question, passes through the model in one packed sequence, ap
 workspace and attending to it alone (`forward_packed`), so cache lengths stay ragged and nothing is
 padded. Many users' questions are thus prefilled in one batch, and their decode steps are shared.
 Requests join and leave at token boundaries; a cancelled one leaves at the next, and its workspace
-goes back to the pool at once. The worker exits when nothing is left to do, so an idle engine holds
-no thread.
+goes back to the pool at once. The worker ends once nothing has come for a second, so an idle engine
+holds no thread; the thread that submits gives its own OpenMP team up (see threads.py).
 """
 
 import collections
@@ -18,10 +18,13 @@ import weakref
 
 import torch
 
+from . import threads
 from .attention import forward_packed
 from .decode import Generation
 from .errors import QueueFullError, RequestTimeoutError
 
+
+LINGER = 1.0  # seconds an idle worker waits for the next request before it ends
 
 _RUNNING: "weakref.WeakSet[Scheduler]" = weakref.WeakSet()
 
@@ -45,6 +48,7 @@ class Scheduler:
         self._waiting: collections.deque[Generation] = collections.deque()
         self._active: list[Generation] = []
         self._lock = threading.Lock()
+        self._arrived = threading.Condition(self._lock)
         self._running = False
 
     @property
@@ -56,12 +60,14 @@ class Scheduler:
         return len(self._active)
 
     def submit(self, generation: Generation) -> None:
+        threads.hand_over()  # the worker's OpenMP team is then the only one (see threads.py)
         with self._lock:
             if len(self._waiting) >= self.max_queue:
                 raise QueueFullError(
                     f"{len(self._waiting)} requests are already waiting (max_queue={self.max_queue}); try again later"
                 )
             self._waiting.append(generation)
+            self._arrived.notify()
             if not self._running:
                 self._running = True
                 _RUNNING.add(self)
@@ -71,12 +77,16 @@ class Scheduler:
         with self._lock:
             for generation in [*self._waiting, *self._active]:
                 generation.stream.cancel()
+            self._arrived.notify()  # a lingering worker ends now
 
     def _work(self) -> None:
         with torch.inference_mode():
             while True:
                 with self._lock:
                     admit = self._take()
+                    if not admit and not self._active:
+                        self._arrived.wait(LINGER)  # a caller's next request soon finds the worker's threads warm
+                        admit = self._take()
                     if not admit and not self._active:
                         self._running = False
                         _RUNNING.discard(self)

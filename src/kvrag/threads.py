@@ -8,8 +8,16 @@ helps less and slows every request on an idle machine. So `adapt()`, called as e
 measures the cores other processes kept busy on this process's CPUs since its last call and leaves
 them out of the thread count; on an idle machine it changes nothing. It works whenever torch was
 imported (nothing to set before), and it stays out of the way of a count the user chose.
+
+Within the process, every thread that runs torch keeps a team of OpenMP threads of its own. Once the
+teams together hold more threads than there are cores, GNU OpenMP stops spinning between parallel
+regions in all of them, and each of a step's many regions waits for its threads to wake. The
+scheduler's worker runs the model, so a thread handing it a request first gives up its own team
+(`hand_over`): the worker's stays the only one, and spins as a single thread's would.
 """
 
+import ctypes
+import functools
 import os
 import threading
 import time
@@ -77,3 +85,20 @@ def adapt() -> int:
             torch.set_num_threads(threads)
             _state["set"] = threads
         return threads
+
+
+def hand_over() -> None:
+    """Release the calling thread's OpenMP team (its threads end; the next torch call there starts new
+    ones): called by a thread about to leave the model to the scheduler's worker. Does nothing where
+    torch does not use GNU OpenMP."""
+    pause = _pause_resources()
+    if pause is not None:
+        pause(1)  # omp_pause_soft
+
+
+@functools.cache
+def _pause_resources():
+    from . import kernels
+
+    runtime = kernels.openmp_runtime()
+    return getattr(ctypes.CDLL(str(runtime)), "omp_pause_resource_all", None) if runtime else None
