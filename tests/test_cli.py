@@ -1,5 +1,6 @@
 """The `kvrag` command without a model: help texts and defaults, what it imports, the checks it makes
-before any work, and the kernels commands. (Index, ask and demo on the real model: test_e2e.py.)"""
+before any work, and the kernels commands; index and ask into a Chroma server on a tiny model. (Index,
+ask and demo on the real model: test_e2e.py.)"""
 
 import argparse
 import os
@@ -8,9 +9,11 @@ import sys
 from dataclasses import asdict
 
 import pytest
+from servers import chroma_server, free_port
 
 from kvrag.app import cli
 from kvrag.app.cli import build_parser, main
+from kvrag.app.retrieval import chroma_collection
 
 
 def _parsers(parser: argparse.ArgumentParser, name: str = "kvrag"):
@@ -157,3 +160,50 @@ def test_cli_refuses_a_non_utf8_file_and_indexes_nothing(tmp_path, capsys):
     assert main(["--home", str(home), "index", str(docs)]) == 2
     assert "bad.txt is not UTF-8" in capsys.readouterr().err
     assert not home.exists()  # checked before the model was even loaded: no KV, no Chroma collection
+
+
+# ---- the passage index in a Chroma server (`chroma run`), on a tiny model ------------------------------
+
+PASSAGES = ["The lighthouse of Varnholm was built in 1873 by the engineer Ilsa Brandt.",
+            "The river Olm freezes every winter, and the ferry stops until spring."]
+
+
+@pytest.fixture(scope="module")
+def chroma(tmp_path_factory):
+    with chroma_server(tmp_path_factory.mktemp("chroma")) as url:
+        yield url
+
+
+def test_index_and_ask_keep_the_passages_in_a_chroma_server(saved_model_and_adapter, tmp_path, chroma, monkeypatch,
+                                                            capsys):
+    model_dir, _ = saved_model_and_adapter
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "a.md").write_text("\n\n".join(PASSAGES))
+    model = ["--model", str(model_dir), "--adapter", "none", "--device", "cpu"]
+    assert main([*model, "--home", str(tmp_path / "indexer"), "--chroma", chroma, "index", str(docs),
+                 "--max-tokens", "40"]) == 0
+    assert f"into Chroma at {chroma}" in capsys.readouterr().out
+    assert not (tmp_path / "indexer" / "chroma").exists()  # nothing embedded
+    stored = chroma_collection(chroma, "kvrag-passages").get()
+    assert sorted(stored["documents"]) == sorted(PASSAGES)
+    assert {m["source"] for m in stored["metadatas"]} == {str(docs / "a.md")}
+    # another machine's home, the server named by $KVRAG_CHROMA: the passages are found there
+    monkeypatch.setenv("KVRAG_CHROMA", chroma)
+    assert main([*model, "--home", str(tmp_path / "asker"), "ask", "Who built the lighthouse?", "--top-k", "1",
+                 "--max-new-tokens", "2"]) == 0
+    assert "[block] TTFT" in capsys.readouterr().err
+    assert not (tmp_path / "asker" / "chroma").exists()
+
+
+def test_a_chroma_server_that_does_not_answer_stops_the_cli_before_the_model_loads(tmp_path, capsys):
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "a.md").write_text(PASSAGES[0])
+    url = f"http://127.0.0.1:{free_port()}"
+    for argv in (["index", str(docs)], ["ask", "Who built the lighthouse?"], ["serve"]):
+        assert main(["--model", str(tmp_path / "no-model"), "--chroma", url, *argv]) == 2  # never loaded
+        err = capsys.readouterr().err
+        assert f"kvrag: error: no Chroma server at {url} (" in err and "chroma run --path DIR --port" in err
+    assert main(["--chroma", "localhost:8000", "ask", "Who built the lighthouse?"]) == 2
+    assert "http://HOST[:PORT]" in capsys.readouterr().err

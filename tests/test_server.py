@@ -11,12 +11,14 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 import numpy as np
 import pytest
+from servers import chroma_server
 from serving import running_server, sse_events
 
 from kvrag import BlendConfig
@@ -420,6 +422,72 @@ def test_kvrag_index_server_sends_the_passages_it_splits(engine, tok, tmp_path, 
                in engine.store for p in passages)
     assert cli.main(["--model", str(tmp_path / "tokenizer"), "index", str(docs), "--server", "http://127.0.0.1:9"]) == 2
     assert "cannot reach" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def chroma(tmp_path_factory):
+    with chroma_server(tmp_path_factory.mktemp("chroma")) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def embedder():
+    from kvrag.app.retrieval import Embedder
+
+    return Embedder()
+
+
+def test_replicas_share_one_passage_index_in_a_chroma_server(engine, chroma, embedder):
+    """Two apps (two replicas of `kvrag serve --chroma URL`): what one indexes, the other retrieves."""
+    from kvrag.app.retrieval import PassageIndex
+
+    name = f"replicas-{uuid.uuid4().hex[:8]}"
+    other = "The river Olm freezes every winter, and the ferry stops until spring."
+    one = create_app(engine, embedder=embedder, passage_index=PassageIndex(chroma, embedder, name=name))
+    two = create_app(engine, embedder=embedder, passage_index=PassageIndex(chroma, embedder, name=name))
+    with running_server(one) as first, running_server(two) as second:
+        data = httpx.post(f"{first}/v1/passages", json={"passages": [PASSAGE, other]}, timeout=60).json()["data"]
+        assert [d["id"] for d in data] == engine.index([PASSAGE, other])
+        found = httpx.post(f"{second}/v1/passages/search", json={"query": QUESTION, "top_k": 1}, timeout=60).json()
+        assert found == {"object": "list", "data": [{"object": "passage", "text": PASSAGE}],
+                         "model": "all-MiniLM-L6-v2"}
+        both = httpx.post(f"{second}/v1/passages/search", json={"query": QUESTION}, timeout=60).json()["data"]
+        assert sorted(d["text"] for d in both) == sorted([PASSAGE, other])
+        assert_error(httpx.post(f"{second}/v1/passages/search", json={"query": ""}), 400)
+
+
+def test_search_needs_a_passage_index(server):
+    assert_error(server.post("/v1/passages/search", json={"query": QUESTION}), 404, code="no_passage_index")
+
+
+def test_a_chroma_server_that_stops_is_a_503_naming_it(engine, tmp_path):
+    from kvrag.app.retrieval import PassageIndex
+
+    embedder = FakeEmbedder()
+    with chroma_server(tmp_path) as url:
+        app = create_app(engine, embedder=embedder, passage_index=PassageIndex(url, embedder))
+    with running_server(app) as replica:
+        for path, body in (("/v1/passages/search", {"query": QUESTION}), ("/v1/passages", {"passages": [PASSAGE]})):
+            response = httpx.post(f"{replica}{path}", json=body, timeout=60)
+            assert_error(response, 503, code="chroma_unavailable", type="server_error")
+            assert response.json()["error"]["message"].startswith(f"no Chroma server at {url} (")
+
+
+def test_kvrag_serve_keeps_its_passage_index_in_the_chroma_server_named(chroma, monkeypatch, capsys):
+    import uvicorn
+
+    from kvrag.app import server as server_module
+
+    calls = {}
+    monkeypatch.setattr(cli, "_engine", lambda args, **options: "the engine")
+    monkeypatch.setattr(server_module, "create_app", lambda engine, **options: calls.update(options) or "the app")
+    monkeypatch.setattr(uvicorn, "run", lambda app, **options: None)
+    monkeypatch.setenv("KVRAG_CHROMA", chroma)  # as --chroma URL does
+    assert cli.main(["serve"]) == 0
+    index = calls["passage_index"]
+    assert index.location == chroma and calls["embedder"] is index.embedder
+    assert index.collection.name == "kvrag-passages"
+    assert f"passages in Chroma at {chroma}" in capsys.readouterr().err
 
 
 def test_passages_indexed_by_another_process_on_the_same_home_are_reused(make_engine, tmp_path):

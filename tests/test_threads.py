@@ -87,19 +87,24 @@ def test_the_real_machine_can_be_read():
 
 def test_hand_over_ends_the_calling_threads_openmp_team():
     """The worker's team must be the process's only one (see threads.py): a thread that ran torch with
-    threads keeps a team of its own until it hands over."""
+    threads keeps a team of its own until it hands over. Checked in a new thread, whose OpenMP state
+    no earlier test touched."""
     assert threads._pause_resources() is not None  # CI's torch wheel uses GNU OpenMP
     for worker in [t for t in threading.enumerate() if t.name == "kvrag-scheduler"]:
-        worker.join()  # an earlier test's, lingering: its end would change the count below
-    before = torch.get_num_threads()
-    torch.set_num_threads(3)
-    try:
-        tasks = lambda: len(os.listdir("/proc/self/task"))  # noqa: E731
-        threads.hand_over()
-        alone = tasks()
+        worker.join()  # an earlier test's, lingering: its end would change the counts below
+    tasks = lambda: len(os.listdir("/proc/self/task"))  # noqa: E731
+    counts = []
+
+    def run():
+        torch.set_num_threads(3)
+        counts.append(tasks())
         torch.ones(1 << 22).exp_()  # large enough for a parallel region: the team's 2 other threads start
-        assert tasks() == alone + 2
+        counts.append(tasks())
         threads.hand_over()
-        assert tasks() == alone
-    finally:
-        torch.set_num_threads(before)
+        counts.append(tasks())
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    alone = counts[0]
+    assert counts == [alone, alone + 2, alone]

@@ -4,6 +4,7 @@ from .blend import BlendConfig
 from .decode import GenerationResult, GenerationStream
 from .engine import KVEngine
 from .errors import (
+    ChromaUnavailableError,
     QueueFullError,
     RequestTimeoutError,
     ContextOverflowError,
@@ -19,6 +20,7 @@ from .prompt import Passage, Prompt, PromptFormat, check_text
 __all__ = [
     "MODES",
     "BlendConfig",
+    "ChromaUnavailableError",
     "ContextOverflowError",
     "EmptyInputError",
     "GenerationResult",

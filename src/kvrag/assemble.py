@@ -106,32 +106,40 @@ class Blocks:
         keys, values = (self.store.host_copy(t[:, 0, :, span], self.storage_dtype) for t in (ws.keys, ws.values))
         return KVBlock(torch.tensor(ids, dtype=torch.long), keys, values, slot)
 
-    def fetch(self, key: str, context: str, ids: list[int], after: list[int] | None = None, hits: dict | None = None,
-              disk: bool = True):
+    def fetch(self, key: str, context: str, ids: list[int], after: list[int] | None = None, disk: bool = True):
         """(block, tier) from the store, encoding and storing the block on a miss (in memory only, if told)."""
         block, tier = self.store.get(key, context)
         if block is None:
-            block, tier = self.encode(ids, after), "computed"
-            self.store.put(key, context, block, disk=disk)
-        if hits is not None:
-            hits[tier] = hits.get(tier, 0) + 1
+            block, tier = self.compute(key, context, ids, after, disk), "computed"
         return block, tier
+
+    def compute(self, key: str, context: str, ids: list[int], after: list[int] | None = None, disk: bool = True):
+        block = self.encode(ids, after)
+        self.store.put(key, context, block, disk=disk)
+        return block
 
     def assemble(self, prompt, keys: list[str], ws: Workspace, reorder: bool = True):
         """Write the prefix's and blocks' KV into `ws`, each block moved to where it sits (`reorder`)
         or left where it was encoded. Returns the slots filled, a bool per slot telling whether its KV
-        came from the store, and the hits per tier. Each block is written as soon as it is fetched: on a
-        GPU its copy runs while the next one is fetched."""
+        came from the store, and the hits per tier. The blocks no local tier holds come from the remote
+        tier together; each block is written as soon as it is at hand: on a GPU its copy runs while the
+        next one is fetched."""
         hits: dict[str, int] = {}
         context, after = self.context(prompt.prefix), self.encoded_after(prompt.prefix)
         parts = [(self.store.key("none", prompt.prefix), "none", prompt.prefix, None)] if prompt.prefix else []
         parts += [(k, context, ids, after) for k, ids in zip(keys, prompt.blocks)]
+        found = self.store.get_many(list(dict.fromkeys((key, ctx) for key, ctx, _, _ in parts)))
         slot, stored = 0, []
         for n, (key, ctx, ids, encoded_after) in enumerate(parts):
             prefix = n == 0 and bool(prompt.prefix)
-            block, tier = self.fetch(key, ctx, ids, encoded_after, hits, disk=not prefix)
+            block, tier = found.pop(key, (None, None))
+            if tier is None:  # a repeat (separators): the store has it now
+                block, tier = self.fetch(key, ctx, ids, encoded_after, disk=not prefix)
+            elif block is None:
+                block, tier = self.compute(key, ctx, ids, encoded_after, disk=not prefix), "computed"
             if prefix and not self.store.persisted(key) and self._recurs(key):  # a prefix: to disk from its second sight
                 self.store.put(key, ctx, block)
+            hits[tier] = hits.get(tier, 0) + 1
             slot = fill(ws, [Piece(block, slot if reorder else block.start)], self.inv_freq, slot)
             stored += [tier != "computed"] * len(block)
         return slot, torch.tensor(stored, dtype=torch.bool), hits

@@ -24,6 +24,7 @@ from .errors import ContextOverflowError, EmptyInputError, UnknownBlockError
 from .match import PassageMatcher
 from .paths import kvrag_home
 from .prompt import Prompt, PromptFormat, PromptLayout, check_text
+from .remote import Remote
 from .scheduler import Scheduler
 from .store import KVStore, default_storage_dtype
 from .workspace import WorkspacePool
@@ -40,7 +41,8 @@ class KVEngine:
                  storage_dtype: torch.dtype | None = None, memory_budget: int = 1 << 30, device_budget: int = 0,
                  prompt_format: PromptFormat | None = None, home: str | Path | None = None, persist: bool = True,
                  fingerprint: str | None = None, causal_fingerprint: str | None = None,
-                 blend: BlendConfig | None = None, max_batch: int = 16, max_queue: int = 256):
+                 blend: BlendConfig | None = None, max_batch: int = 16, max_queue: int = 256,
+                 remote: "str | Remote | None" = None):
         """`causal_model`: other weights for the causal modes (full, prefix), say the published ones when
         `model` carries a block-tuned adapter (default: `model` in every mode). The engine runs on the
         model's device. `storage_dtype`: the stored KV's (default: the model's half dtype, else float16).
@@ -48,7 +50,9 @@ class KVEngine:
         the most used blocks (each per weight set). `fingerprint`, `causal_fingerprint`: the models'
         `loading.fingerprint`s, when known (computed otherwise). `blend`: the default of blend mode's
         settings (each request may pass its own). `max_batch`, `max_queue`: requests decoded together and
-        requests allowed to wait for a place among them (see scheduler.py)."""
+        requests allowed to wait for a place among them (see scheduler.py). `remote`: the URL of a Redis
+        server shared with other replicas (default: $KVRAG_REMOTE, else none), the tier below the disk
+        for KV and a passage registry beside the local one (see remote.py)."""
         loading.check_supported(model.config)
         if block_context not in BLOCK_CONTEXTS:
             raise ValueError(f"block_context must be one of {BLOCK_CONTEXTS}, got {block_context!r}")
@@ -59,7 +63,10 @@ class KVEngine:
         self.fingerprint = fingerprint or loading.fingerprint(model, tokenizer)
         self.home = Path(home) if home is not None else kvrag_home()
         root = self.home / "kv" / self.fingerprint[:16] if persist else None
-        self.store = KVStore(self.fingerprint, root, memory_budget, device=model.device, device_budget=device_budget)
+        remote = remote if remote is not None else os.environ.get("KVRAG_REMOTE") or None
+        self.remote = Remote(remote) if isinstance(remote, str) else remote
+        self.store = KVStore(self.fingerprint, root, memory_budget, device=model.device, device_budget=device_budget,
+                             remote=self.remote)
         config = model.config
         self.scheduler = Scheduler(max_batch, max_queue)
         self.pool = WorkspacePool(config.num_hidden_layers, config.num_key_value_heads, loading.head_dim(config),
@@ -73,9 +80,9 @@ class KVEngine:
             self.causal_fingerprint = causal_fingerprint or loading.fingerprint(causal_model, tokenizer)
             causal_root = self.home / "kv" / self.causal_fingerprint[:16] if persist else None
             self.causal_store = KVStore(self.causal_fingerprint, causal_root, memory_budget, device=causal_model.device,
-                                        device_budget=device_budget)
+                                        device_budget=device_budget, remote=self.remote)
             self.causal_blocks = Blocks(self.causal_model, self.causal_store, self.pool, storage_dtype, block_context)
-        self.passages = PassageMatcher(root / "passages.sqlite" if root is not None else None)
+        self.passages = PassageMatcher(root / "passages.sqlite" if root is not None else None, remote=self.remote)
         self.context_window = loading.context_window(config)
         self.eos_ids = loading.eos_ids(model, tokenizer)
         self.blend = self._check_blend(blend or BlendConfig())

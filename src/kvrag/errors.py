@@ -31,3 +31,7 @@ class QueueFullError(KVRagError):
 
 class RequestTimeoutError(KVRagError, TimeoutError):
     """A request waited in the queue longer than its `max_time`."""
+
+
+class ChromaUnavailableError(KVRagError, ConnectionError):
+    """No Chroma server answers at the URL kvrag was given (`--chroma`, `$KVRAG_CHROMA`, `chroma_url=`)."""

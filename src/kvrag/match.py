@@ -6,7 +6,8 @@ rolling hash over the prompt's characters proposes positions where a known passa
 characters occur, and an exact string comparison confirms the whole passage.
 
 Known passages persist in a small SQLite file next to their KV, so a chat model in one process
-finds passages that a vector store indexed in another.
+finds passages that a vector store indexed in another; with a remote tier (remote.py) they are
+also registered there, so a replica on another machine finds them too.
 """
 
 import hashlib
@@ -64,8 +65,9 @@ class PassageMatcher:
     text, and prefilling them costs little anyway.
     """
 
-    def __init__(self, path: str | Path | None = None, *, window: int = 64, min_chars: int = 32):
+    def __init__(self, path: str | Path | None = None, *, remote=None, window: int = 64, min_chars: int = 32):
         self.window, self.min_chars = window, min_chars
+        self.remote, self._remote_seen = remote, 0
         self._buckets: dict[int, dict[int, list[str]]] = {}  # window width -> head hash -> passages
         self._seen: set[str] = set()
         self._lock = threading.Lock()
@@ -99,6 +101,8 @@ class PassageMatcher:
                     self._db.executemany("INSERT OR IGNORE INTO passages VALUES (?, ?)", rows)
             for text in texts:
                 self._remember(text)
+        if self.remote is not None:
+            self.remote.add_passages(texts)
 
     def _remember(self, text: str) -> None:
         if text in self._seen:
@@ -109,7 +113,14 @@ class PassageMatcher:
         self._buckets.setdefault(width, {}).setdefault(head, []).append(text)
 
     def _refresh(self) -> None:
-        """Load passages that other processes (or other engines) have added since the last look."""
+        """Load passages that other processes (or other engines, or other replicas) have added since the
+        last look."""
+        if self.remote is not None:
+            with self._lock:
+                for text in self.remote.passages(self._remote_seen):
+                    self._remote_seen += 1
+                    if text is not None and len(text) >= self.min_chars:
+                        self._remember(text)
         if self._db is None:
             return
         with self._lock:

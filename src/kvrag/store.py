@@ -1,16 +1,19 @@
-"""Content-addressed KV store: in-process LRUs under byte budgets, then safetensors files.
+"""Content-addressed KV store: in-process LRUs under byte budgets, then safetensors files, then a
+shared remote tier (Redis, see remote.py) that replicas on other machines read and write.
 
 A block's key hashes the model fingerprint, the block context and the token ids, so KV from
 another model, tokenizer, template or context can never be found under the same key. Files
 are written to a temporary name and renamed into place, so readers and concurrent writers only
-ever see complete files; each file's header repeats the fingerprint, key, context and a
-checksum, and a file that fails any check is deleted and reported as a miss.
+ever see complete files. A file and a remote value hold the same bytes (`pack`), whose header
+repeats the fingerprint, key, context, token ids' hash and a checksum; one that fails any check
+is deleted and reported as a miss, never served.
 
 For a model on a GPU the host copies sit in pinned memory, from which the GPU copies blocks
 asynchronously, and an optional device tier keeps the most recently used blocks on the GPU itself.
 """
 
 import hashlib
+import json
 import threading
 import warnings
 import zlib
@@ -20,7 +23,6 @@ from pathlib import Path
 
 import safetensors.torch
 import torch
-from safetensors import safe_open
 
 from .paths import write_atomic
 
@@ -74,6 +76,48 @@ def _checksum(tensors: dict[str, torch.Tensor]) -> str:
     return f"{crc:08x}"
 
 
+def pack(fingerprint: str, key: str, context: str, block: KVBlock) -> bytes:
+    """A block as the disk and remote tiers keep it: safetensors bytes whose header says what they hold."""
+    tensors = {
+        "token_ids": block.token_ids.to(torch.int32).contiguous(),
+        "keys": block.keys.contiguous(),
+        "values": block.values.contiguous(),
+    }
+    metadata = {
+        "format": FORMAT,
+        "fingerprint": fingerprint,
+        "key": key,
+        "context": context,
+        "start": str(block.start),
+        "ids_sha256": ids_digest(block.token_ids),
+        "checksum": _checksum(tensors),
+    }
+    return safetensors.torch.save(tensors, metadata=metadata)
+
+
+def unpack(data: bytes, fingerprint: str, key: str, context: str) -> KVBlock:
+    """The block in `data`, or ValueError if anything in it is not what `pack` wrote for this key. The header
+    is checked before any tensor is read; the tensors are copies, not views of `data`."""
+    if len(data) < 8 or int.from_bytes(data[:8], "little") > len(data) - 8:
+        raise ValueError(f"not a safetensors value ({len(data)} bytes)")
+    header = json.loads(data[8 : 8 + int.from_bytes(data[:8], "little")])
+    metadata = header.get("__metadata__") if isinstance(header, dict) else None
+    metadata = metadata if isinstance(metadata, dict) else {}
+    expected = {"format": FORMAT, "fingerprint": fingerprint, "key": key, "context": context}
+    for field, value in expected.items():
+        if metadata.get(field) != value:
+            raise ValueError(f"header field {field!r} is {metadata.get(field)!r}, expected {value!r}")
+    tensors = safetensors.torch.load(data)
+    if _checksum(tensors) != metadata.get("checksum"):
+        raise ValueError("checksum mismatch")
+    if ids_digest(tensors["token_ids"]) != metadata.get("ids_sha256"):
+        raise ValueError("token ids do not match the header")
+    keys, values, ids = tensors["keys"], tensors["values"], tensors["token_ids"]
+    if keys.shape != values.shape or keys.ndim != 4 or keys.shape[2] != ids.numel():
+        raise ValueError(f"inconsistent shapes keys={tuple(keys.shape)} values={tuple(values.shape)}")
+    return KVBlock(ids.to(torch.long), keys, values, int(metadata["start"]))
+
+
 class MemoryTier:
     """Least-recently-used blocks, evicted once their total size exceeds the byte budget; the blocks
     may sit in host or device memory (the store's memory and device tiers)."""
@@ -125,26 +169,14 @@ class DiskTier:
         return self.path(key).is_file()
 
     def put(self, key: str, context: str, block: KVBlock) -> None:
-        tensors = {
-            "token_ids": block.token_ids.to(torch.int32).contiguous(),
-            "keys": block.keys.contiguous(),
-            "values": block.values.contiguous(),
-        }
-        metadata = {
-            "format": FORMAT,
-            "fingerprint": self.fingerprint,
-            "key": key,
-            "context": context,
-            "start": str(block.start),
-            "ids_sha256": ids_digest(block.token_ids),
-            "checksum": _checksum(tensors),
-        }
-        write_atomic(self.path(key), safetensors.torch.save(tensors, metadata=metadata))
+        write_atomic(self.path(key), pack(self.fingerprint, key, context, block))
 
     def get(self, key: str, context: str) -> KVBlock | None:
+        """The tensors come from one read of the file into memory: `safe_open`'s would stay mapped to the
+        file, and a file truncated later would end the process."""
         path = self.path(key)
         try:
-            return self._read(path, key, context)
+            return unpack(path.read_bytes(), self.fingerprint, key, context)
         except FileNotFoundError:
             return None
         except Exception as exc:  # any defect means the file must not be served
@@ -152,28 +184,39 @@ class DiskTier:
             path.unlink(missing_ok=True)
             return None
 
-    def _read(self, path: Path, key: str, context: str) -> KVBlock:
-        """The header through `safe_open`; the tensors from one read of the file into memory, because
-        `safe_open`'s tensors stay mapped to the file, and a file truncated later would end the process."""
-        with safe_open(path, framework="pt") as f:
-            metadata = f.metadata() or {}
-        expected = {"format": FORMAT, "fingerprint": self.fingerprint, "key": key, "context": context}
-        for field, value in expected.items():
-            if metadata.get(field) != value:
-                raise ValueError(f"header field {field!r} is {metadata.get(field)!r}, expected {value!r}")
-        tensors = safetensors.torch.load(path.read_bytes())
-        if _checksum(tensors) != metadata.get("checksum"):
-            raise ValueError("checksum mismatch")
-        if ids_digest(tensors["token_ids"]) != metadata.get("ids_sha256"):
-            raise ValueError("token ids do not match the header")
-        keys, values, ids = tensors["keys"], tensors["values"], tensors["token_ids"]
-        if keys.shape != values.shape or keys.ndim != 4 or keys.shape[2] != ids.numel():
-            raise ValueError(f"inconsistent shapes keys={tuple(keys.shape)} values={tuple(values.shape)}")
-        return KVBlock(ids.to(torch.long), keys, values, int(metadata["start"]))
+
+class RemoteTier:
+    """Blocks in a Redis server shared by replicas (`remote.Remote`), one value per block, `pack`'s bytes.
+
+    Several blocks come in one round trip (`get_many`). A value that fails its checks is deleted; an
+    unreachable or slow server reads as misses and skips writes (remote.py says how it recovers)."""
+
+    def __init__(self, remote, fingerprint: str):
+        self.remote, self.fingerprint = remote, fingerprint
+
+    def __contains__(self, key: str) -> bool:
+        return self.remote.exists(key)
+
+    def put(self, key: str, context: str, block: KVBlock) -> None:
+        self.remote.put(key, pack(self.fingerprint, key, context, block))
+
+    def get_many(self, items: list[tuple[str, str]]) -> dict[str, KVBlock]:
+        """{key: block} for the (key, context) pairs found intact."""
+        found = {}
+        for (key, context), data in zip(items, self.remote.get_many([key for key, _ in items])):
+            if data is None:
+                continue
+            try:
+                found[key] = unpack(data, self.fingerprint, key, context)
+            except Exception as exc:
+                warnings.warn(f"kvrag: dropping unusable remote KV value {key}: {exc}", RuntimeWarning, stacklevel=3)
+                self.remote.delete(key)
+        return found
 
 
 class KVStore:
-    """A device tier, a memory tier and an optional disk tier; `get` reports which tier answered.
+    """A device tier, a memory tier, an optional disk tier and an optional remote tier; `get` reports
+    which tier answered.
 
     `device` is the model's. On a GPU the memory tier holds blocks in pinned host memory, so that a
     block's copy into the workspace runs asynchronously while the next one is fetched, and the device
@@ -183,18 +226,23 @@ class KVStore:
     """
 
     def __init__(self, fingerprint: str, root: Path | None = None, memory_budget: int = 1 << 30, *,
-                 device: str | torch.device | None = None, device_budget: int = 0):
+                 device: str | torch.device | None = None, device_budget: int = 0, remote=None):
         self.fingerprint = fingerprint
         self.device = torch.device(device if device is not None else "cpu")
         self.pinned = self.device.type == "cuda"
         self.memory = MemoryTier(memory_budget)
         self.device_tier = MemoryTier(device_budget) if self.device.type != "cpu" and device_budget > 0 else None
         self.disk = DiskTier(root, fingerprint) if root is not None else None
+        self.remote = RemoteTier(remote, fingerprint) if remote is not None else None
 
     def key(self, context: str, token_ids) -> str:
         return block_key(self.fingerprint, context, token_ids)
 
     def __contains__(self, key: str) -> bool:
+        return self.local(key) or (self.remote is not None and key in self.remote)
+
+    def local(self, key: str) -> bool:
+        """Whether the block is in a tier of this machine."""
         return (key in self.memory or (self.device_tier is not None and key in self.device_tier)
                 or (self.disk is not None and key in self.disk))
 
@@ -223,8 +271,28 @@ class KVStore:
         return KVBlock(block.token_ids, keys, values, block.start)
 
     def get(self, key: str, context: str) -> tuple[KVBlock | None, str]:
-        """Return (block, tier) with tier 'device', 'memory', 'disk' or 'miss'. A hit below the top tier
-        is copied into the tiers above it, and the copy nearest the device is returned."""
+        """Return (block, tier) with tier 'device', 'memory', 'disk', 'remote' or 'miss'. A hit below the
+        top tier is copied into the tiers above it, and the copy nearest the device is returned."""
+        return self.get_many([(key, context)])[key]
+
+    def get_many(self, items: list[tuple[str, str]]) -> dict[str, tuple[KVBlock | None, str]]:
+        """`get` for several (key, context) pairs; the ones no local tier holds come from the remote tier
+        in one round trip."""
+        found, remote = {}, []
+        for key, context in items:
+            found[key] = self._get_local(key, context)
+            if found[key][0] is None and self.remote is not None:
+                remote.append((key, context))
+        if remote:
+            contexts = dict(remote)
+            for key, block in self.remote.get_many(remote).items():
+                block = self._on_host(block)
+                if self.disk is not None:
+                    self.disk.put(key, contexts[key], block)
+                found[key] = self._fill(key, block), "remote"
+        return found
+
+    def _get_local(self, key: str, context: str) -> tuple[KVBlock | None, str]:
         if self.device_tier is not None:
             block = self.device_tier.get(key)
             if block is not None:
@@ -234,19 +302,30 @@ class KVStore:
             block, tier = self.disk.get(key, context), "disk"
             if block is not None:  # pinned only once read and checked: a failure to pin is not a bad file
                 block = self._on_host(block)
-                self.memory.put(key, block)
         if block is None:
             return None, "miss"
-        if self.device_tier is not None:
-            block = self._on_device(block)
-            self.device_tier.put(key, block)
-        return block, tier
+        return self._fill(key, block) if tier != "memory" else self._to_device(key, block), tier
+
+    def _fill(self, key: str, host: KVBlock) -> KVBlock:
+        """Keep a block read from below in memory (and on the device); the copy nearest the device."""
+        self.memory.put(key, host)
+        return self._to_device(key, host)
+
+    def _to_device(self, key: str, block: KVBlock) -> KVBlock:
+        if self.device_tier is None:
+            return block
+        block = self._on_device(block)
+        self.device_tier.put(key, block)
+        return block
 
     def put(self, key: str, context: str, block: KVBlock, disk: bool = True) -> None:
-        """Keep `block` in memory, on disk unless told not to, and on the device when there is a device tier."""
+        """Keep `block` in memory, on the device when there is a device tier, and (unless `disk` is False:
+        KV of one request, not worth keeping) on disk and in the remote tier."""
         host = self._on_host(block)
         if self.disk is not None and disk:
             self.disk.put(key, context, host)
+        if self.remote is not None and disk:
+            self.remote.put(key, context, host)
         self.memory.put(key, host)
         if self.device_tier is not None:
             self.device_tier.put(key, self._on_device(block))

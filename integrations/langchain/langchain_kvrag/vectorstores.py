@@ -3,8 +3,9 @@
 kvrag's speed-up needs each passage's KV cache to exist before the question arrives. Indexing
 is the natural moment: `KVRagVectorStore` runs `KVEngine.index` on every text it is given,
 then hands the text to an ordinary LangChain vector store (an embedded, persistent Chroma by
-default) that does the storing and searching. Retrieved documents carry the exact text that
-was indexed, which is how the chat model finds their cached blocks in a prompt.
+default, or a collection on a Chroma server with `chroma_url=`) that does the storing and
+searching. Retrieved documents carry the exact text that was indexed, which is how the chat model
+finds their cached blocks in a prompt.
 """
 
 import hashlib
@@ -16,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from kvrag import KVEngine
-from kvrag.app.retrieval import chroma_client, chroma_collection, chroma_path
+from kvrag.app.retrieval import chroma_client, chroma_collection, chroma_path, parse_chroma_url
 from langchain_chroma import Chroma
 from langchain_core.documents import Document
 from langchain_core.embeddings import Embeddings
@@ -70,20 +71,30 @@ def default_chroma(
     embedding: Embeddings | None = None,
     collection_name: str | None = None,
     persist_directory: str | Path | None = None,
+    chroma_url: str | None = None,
 ) -> Chroma:
-    """An embedded Chroma collection on disk (`$KVRAG_HOME/chroma` unless told otherwise).
+    """An embedded Chroma collection on disk (`$KVRAG_HOME/chroma` unless told otherwise), or with
+    `chroma_url` (`http://HOST:PORT`) a collection on that Chroma server, shared by every process
+    that opens it there.
 
     Opened by `kvrag.app.retrieval.chroma_collection`, as the kvrag CLI opens its own: cosine space
     (kvrag's embeddings are unit vectors), telemetry off, the same client settings, so both can open
-    the same directory in one process.
+    the same directory in one process. A server that does not answer raises
+    `kvrag.ChromaUnavailableError` naming the URL.
     """
-    directory = Path(persist_directory) if persist_directory is not None else chroma_path()
+    if chroma_url is not None and persist_directory is not None:
+        raise ValueError("give persist_directory (an embedded Chroma) or chroma_url (a Chroma server), not both")
+    if chroma_url is not None:
+        location: str | Path = chroma_url
+        parse_chroma_url(chroma_url)
+    else:
+        location = Path(persist_directory) if persist_directory is not None else chroma_path()
     name = collection_name or DEFAULT_COLLECTION
-    chroma_collection(directory, name)
+    chroma_collection(location, name)
     return _Chroma(
         collection_name=name,
         embedding_function=embedding if embedding is not None else KVRagEmbeddings(),
-        client=chroma_client(directory),
+        client=chroma_client(location),
         create_collection_if_not_exists=False,
     )
 
@@ -123,13 +134,18 @@ class KVRagVectorStore(VectorStore):
 
     Args:
         vectorstore: The store that keeps and searches the documents. Default: a persistent
-            Chroma collection (see `collection_name`, `persist_directory`, `embedding`).
+            Chroma collection (see `collection_name`, `persist_directory`, `chroma_url`,
+            `embedding`).
         engine: The `kvrag.KVEngine` whose KV store is filled; it must be the engine that
             answers the questions. Default: `KVEngine.shared()` (the default model, loaded
             once per process on the first add, not when the store is built).
         embedding: Embeddings for the default Chroma. Default: `KVRagEmbeddings`.
         collection_name: Collection of the default Chroma. Default: "kvrag-langchain".
         persist_directory: Directory of the default Chroma. Default: `$KVRAG_HOME/chroma`.
+        chroma_url: A Chroma server (`chroma run`) holding the default collection instead, as
+            `http://HOST:PORT`: every store (every replica) on the same URL and collection shares
+            it. Not with `persist_directory`. A server that does not answer raises
+            `kvrag.ChromaUnavailableError` naming the URL.
         show_progress: Show a progress bar while passages are encoded.
     """
 
@@ -141,16 +157,17 @@ class KVRagVectorStore(VectorStore):
         embedding: Embeddings | None = None,
         collection_name: str | None = None,
         persist_directory: str | Path | None = None,
+        chroma_url: str | None = None,
         show_progress: bool = False,
     ) -> None:
-        default_options = (embedding, collection_name, persist_directory)
+        default_options = (embedding, collection_name, persist_directory, chroma_url)
         if vectorstore is not None and any(option is not None for option in default_options):
             raise ValueError(
-                "embedding, collection_name and persist_directory configure the default Chroma store; "
-                "pass them to your own vectorstore instead"
+                "embedding, collection_name, persist_directory and chroma_url configure the default Chroma "
+                "store; pass them to your own vectorstore instead"
             )
         if vectorstore is None:
-            vectorstore = default_chroma(embedding, collection_name, persist_directory)
+            vectorstore = default_chroma(embedding, collection_name, persist_directory, chroma_url)
         self.vectorstore = vectorstore
         self._engine = engine
         self.show_progress = show_progress
@@ -255,7 +272,8 @@ class KVRagVectorStore(VectorStore):
     ) -> Self:
         """A store over the default Chroma with `embedding`, holding `texts` (their KV computed).
 
-        `kwargs` are the constructor's (`engine`, `collection_name`, `persist_directory`, ...).
+        `kwargs` are the constructor's (`engine`, `collection_name`, `persist_directory`, `chroma_url`,
+        ...).
         `from_documents` comes through here.
         """
         store = cls(embedding=embedding, **kwargs)

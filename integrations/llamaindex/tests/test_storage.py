@@ -1,15 +1,18 @@
 """The default vector store is idempotent: re-running an ingestion script stores nothing twice.
 
-Model-free but for the packaged embedding model (all-MiniLM-L6-v2, on CPU): no LLM is loaded.
+Model-free but for the packaged embedding model (all-MiniLM-L6-v2, on CPU): no LLM is loaded. The
+same store on a Chroma server (`chroma run`, started for the tests) with `chroma_url=`.
 """
 
 import os
 
 import pytest
+from kvrag import ChromaUnavailableError
 from llama_index.core import SimpleDirectoryReader, StorageContext, VectorStoreIndex
 from llama_index.core.ingestion import IngestionPipeline
 from llama_index.core.node_parser import SentenceSplitter
 from llama_index.core.schema import TextNode
+from servers import chroma_server, free_port
 
 from llama_index.llms.kvrag import default_vector_store
 from llama_index.llms.kvrag.storage import CONTENT_KEY, IdempotentChromaVectorStore, content_hash
@@ -99,3 +102,37 @@ def test_metadata_the_embedding_sees_is_content_and_a_repeat_in_one_batch_is_sto
     ids = store.add(nodes)
     assert ids == ["1", "3", "3"]
     assert stored(store) == [("1", "alpha"), ("3", "alpha")]
+
+
+# ---- on a Chroma server (`chroma run`, started for these tests) --------------------------------------
+
+
+@pytest.fixture(scope="module")
+def chroma(tmp_path_factory):
+    with chroma_server(tmp_path_factory.mktemp("chroma")) as url:
+        yield url
+
+
+def test_with_chroma_url_an_index_lives_in_the_chroma_server(chroma, monkeypatch, tmp_path, docs_dir, embed_model):
+    monkeypatch.setenv("KVRAG_HOME", str(tmp_path / "home"))
+    documents = SimpleDirectoryReader(str(docs_dir)).load_data()
+    store = default_vector_store(collection_name="served", chroma_url=chroma)
+    context = StorageContext.from_defaults(vector_store=store)
+    VectorStoreIndex.from_documents(documents, storage_context=context, embed_model=embed_model)
+    assert store.client.count() == len(FILES)
+    # another store on the same URL and collection (as another replica opens it) retrieves from it
+    other = VectorStoreIndex.from_vector_store(default_vector_store(collection_name="served", chroma_url=chroma),
+                                               embed_model=embed_model)
+    found = other.as_retriever(similarity_top_k=1).retrieve("Who built the lighthouse?")
+    assert [n.node.get_content() for n in found] == [FILES["lighthouse.md"]]
+    VectorStoreIndex.from_documents(documents, storage_context=context, embed_model=embed_model)
+    assert store.client.count() == len(FILES)  # idempotent on the server too
+    assert not (tmp_path / "home").exists()  # nothing embedded
+
+
+def test_chroma_url_is_checked_and_excludes_a_path(tmp_path):
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    with pytest.raises(ChromaUnavailableError, match=f"no Chroma server at {url} "):
+        default_vector_store(chroma_url=url)
+    with pytest.raises(ValueError, match="not both"):
+        default_vector_store(tmp_path, chroma_url=url)

@@ -36,13 +36,26 @@ def _engine(args, **options):
 
     adapter = None if args.adapter == "none" else args.adapter
     return KVEngine.from_pretrained(args.model, home=args.home, block_context=args.block_context, adapter=adapter,
-                                    adapter_scope=args.adapter_scope, device=args.device, dtype=args.dtype, **options)
+                                    adapter_scope=args.adapter_scope, device=args.device, dtype=args.dtype,
+                                    remote=args.remote, **options)
 
 
 def _home(args) -> Path:
     from kvrag.paths import kvrag_home
 
     return Path(args.home) if args.home else kvrag_home()
+
+
+def _chroma(args, embedded: bool = True) -> str | Path | None:
+    """Where the passage index lives: --chroma, else $KVRAG_CHROMA (a Chroma server's URL), else the
+    embedded Chroma under the cache directory (None with `embedded=False`: `serve` keeps none then)."""
+    from .retrieval import chroma_url, parse_chroma_url
+
+    url = args.chroma or chroma_url()
+    if url:
+        parse_chroma_url(url)  # a URL, or refused before anything is loaded
+        return url
+    return _home(args) / "chroma" if embedded else None
 
 
 def _read(files) -> dict:
@@ -118,11 +131,14 @@ def cmd_index(args):
         _send_passages(args.server, _api_key(args), passages)
         print(f"indexed {len(passages)} passages from {len(files)} files on {args.server}")
         return
+    chroma = _chroma(args)
+    on_server = isinstance(chroma, str)
+    index = PassageIndex(chroma) if on_server else None  # a Chroma server that does not answer: before any work
     engine = _engine(args)
     passages, sources = _passages(engine.layout.encode, texts, args.max_tokens)
     engine.index(passages)  # its progress bar shows how many were newly encoded
-    PassageIndex(_home(args) / "chroma").add(passages, sources)
-    print(f"indexed {len(passages)} passages from {len(files)} files")
+    (index if index is not None else PassageIndex(chroma)).add(passages, sources)
+    print(f"indexed {len(passages)} passages from {len(files)} files{f' into Chroma at {chroma}' if on_server else ''}")
 
 
 def _print_stats(result):
@@ -137,7 +153,7 @@ def _print_stats(result):
 def cmd_ask(args):
     from .retrieval import PassageIndex
 
-    index = PassageIndex(_home(args) / "chroma")
+    index = PassageIndex(_chroma(args))
     if len(index) == 0:
         raise KVRagError("nothing is indexed yet: run `kvrag index PATH...` first")
     passages = index.search(args.question, args.top_k)
@@ -154,10 +170,18 @@ def cmd_serve(args):
 
     from .server import create_app
 
+    chroma = _chroma(args, embedded=False)
+    options = {}
+    if chroma is not None:  # replicas given the same server share one passage index
+        from .retrieval import PassageIndex
+
+        index = PassageIndex(chroma)
+        options = {"passage_index": index, "embedder": index.embedder}
     engine = _engine(args, max_batch=args.max_batch, max_queue=args.max_queue)
-    app = create_app(engine, api_key=_api_key(args), default_mode=args.mode)
+    app = create_app(engine, api_key=_api_key(args), default_mode=args.mode, **options)
     print(f"kvrag: OpenAI-compatible API on http://{args.host}:{args.port}/v1"
-          f"{' (API key required)' if _api_key(args) else ''}", file=sys.stderr)
+          f"{' (API key required)' if _api_key(args) else ''}{f'; passages in Chroma at {chroma}' if chroma else ''}",
+          file=sys.stderr)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
 
 
@@ -169,13 +193,14 @@ def cmd_demo(args):
     sample = Path(str(resources.files("kvrag") / "sample"))
     files = sorted(sample.glob("*.md"))
     questions = json.loads(Path(args.questions or sample / "questions.json").read_text())
+    chroma = _chroma(args)
     engine = _engine(args)
     passages, sources = _passages(engine.layout.encode, _read(files), args.max_tokens)
     print(f"Indexing {len(passages)} passages about a fictional island (KV computed once, then cached)...")
     engine.index(passages)
     # one collection per version of the corpus, so passages of an older sample are never retrieved
     version = hashlib.sha256("".join(sorted(passages)).encode()).hexdigest()[:12]
-    index = PassageIndex(_home(args) / "chroma", name=f"kvrag-demo-{version}")
+    index = PassageIndex(chroma, name=f"kvrag-demo-{version}")
     index.add(passages, sources)
     width = 48
     print(f"\n{'question / mode':<{width}} {'TTFT':>8}  answer")
@@ -392,6 +417,13 @@ class _Help(argparse.ArgumentDefaultsHelpFormatter):
 _MODEL_OPTIONS = {
     "--model": dict(help="local model directory, GGUF file or cached hub id (default: SmolLM2-135M-Instruct)"),
     "--home": dict(help="cache directory (default: $KVRAG_HOME or ~/.cache/kvrag)"),
+    "--chroma": dict(metavar="URL", help="Chroma server (`chroma run`) that keeps the passage index, as "
+                                         "http://HOST:PORT; processes given the same one share it (default: "
+                                         "$KVRAG_CHROMA, else an embedded Chroma in the cache directory; `serve` "
+                                         "keeps a passage index only with one of the two)"),
+    "--remote": dict(metavar="URL", help="Redis server (redis://HOST:PORT/DB) that keeps KV and the passage registry "
+                                         "for every process given it, below the local tiers (default: $KVRAG_REMOTE, "
+                                         "else none)"),
     "--device": dict(default="auto", help="'auto' (the first CUDA device torch sees, else the CPU), 'cpu', 'cuda' "
                                           "or 'cuda:N'"),
     "--dtype": dict(default="auto", choices=("auto", "float32", "float16", "bfloat16"),

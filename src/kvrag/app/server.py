@@ -5,8 +5,10 @@ by changing its base URL. Chat messages are rendered with the model's chat templ
 passages found in the text reuse their KV, as `engine.generate_text` does in process; the reuse shows
 in `usage.prompt_tokens_details.cached_tokens`. Passages are indexed over HTTP (`POST /v1/passages`,
 kvrag's own endpoint) and `/v1/embeddings` serves the packaged all-MiniLM-L6-v2, so one server backs
-both halves of an OpenAI-style RAG app. Every error has OpenAI's JSON shape, so the clients raise
-their usual exceptions.
+both halves of an OpenAI-style RAG app. Given a passage index (`kvrag serve --chroma URL`), the
+server also keeps the passages it indexes there and retrieves from it (`POST /v1/passages/search`);
+replicas given the same Chroma server share it. Every error has OpenAI's JSON shape, so the clients
+raise their usual exceptions.
 
 Defaults where a request names nothing: greedy decoding (temperature 0, so the answer is the
 in-process engine's) and at most `DEFAULT_MAX_TOKENS` tokens. With an API key set, every /v1 path
@@ -34,7 +36,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.routing import Match
 
-from kvrag import MODES, ContextOverflowError
+from kvrag import MODES, ChromaUnavailableError, ContextOverflowError
 from kvrag.errors import QueueFullError, RequestTimeoutError
 from kvrag.modes import Mode
 
@@ -86,6 +88,15 @@ def _engine_errors():
                        code="timeout") from exc
     except (ValueError, TypeError) as exc:  # EmptyInputError, InputEncodingError, options out of range
         raise APIError(400, str(exc)) from exc
+
+
+@contextmanager
+def _chroma_errors():
+    """A Chroma server that stopped answering as a 503 naming it."""
+    try:
+        yield
+    except ChromaUnavailableError as exc:
+        raise APIError(503, str(exc), type="server_error", code="chroma_unavailable") from exc
 
 
 # ---- request bodies ----------------------------------------------------------------------------------
@@ -143,6 +154,13 @@ class PassagesRequest(BaseModel):
     passages: str | list[str] | None = None
     input: str | list[str] | None = None  # the same, named as /v1/embeddings names it
     model: str | None = None
+
+
+class SearchRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    query: str = Field(min_length=1)
+    top_k: int = Field(default=4, ge=1, le=100)
 
 
 # ---- streaming -----------------------------------------------------------------------------------------
@@ -250,11 +268,12 @@ class Gate:
 
 
 def create_app(engine, *, api_key: str | None = None, model_name: str | None = None, default_mode: str = "block",
-               embedder=None) -> FastAPI:
+               embedder=None, passage_index=None) -> FastAPI:
     """The HTTP API over `engine`. `model_name`: the id clients send and /v1/models lists (default: the
     model's directory name). `default_mode`: the mode of requests that name none. `embedder`: what
     /v1/embeddings runs, with `embed(texts)` and `count_tokens(texts)` (default: the packaged MiniLM,
-    loaded on first use)."""
+    loaded on first use). `passage_index`: a `retrieval.PassageIndex` that /v1/passages also stores the
+    passages in and /v1/passages/search retrieves from (default: none, and no search)."""
     if default_mode not in MODES:
         raise ValueError(f"default_mode must be one of {MODES}, got {default_mode!r}")
     name = model_name or Path(engine.model.name_or_path).name or "kvrag"
@@ -403,8 +422,22 @@ def create_app(engine, *, api_key: str | None = None, model_name: str | None = N
 
         with _engine_errors():
             ids, tokens = await run_in_threadpool(index)
+        if passage_index is not None:
+            with _chroma_errors():
+                await run_in_threadpool(passage_index.add, texts, ["POST /v1/passages"] * len(texts))
         data = [{"object": "passage", "id": i, "tokens": n} for i, n in zip(ids, tokens)]
         return {"object": "list", "data": data, "model": name, "usage": {"prompt_tokens": sum(tokens)}}
+
+    @app.post("/v1/passages/search")
+    async def search(body: SearchRequest):
+        """kvrag's own: the `top_k` stored passages nearest the query (all-MiniLM-L6-v2, cosine)."""
+        if passage_index is None:
+            raise APIError(404, "this server keeps no passage index: start it with `kvrag serve --chroma URL`",
+                           code="no_passage_index")
+        with _chroma_errors():
+            found = await run_in_threadpool(passage_index.search, body.query, body.top_k)
+        return {"object": "list", "data": [{"object": "passage", "text": text} for text in found],
+                "model": EMBEDDING_MODEL}
 
     @app.post("/v1/embeddings")
     async def embeddings(body: EmbeddingsRequest):

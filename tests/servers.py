@@ -1,0 +1,127 @@
+"""Real servers that kvrag talks to, started as processes for a test and stopped after it: never mocked.
+
+Shared by the core's tests and the integrations' (pytest's pythonpath holds tests/):
+`from servers import chroma_server, RedisServer`.
+"""
+
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+
+CHROMA = Path(sys.executable).with_name("chroma")
+"""The `chroma` command chromadb installs next to the interpreter."""
+
+
+def free_port() -> int:
+    """A port nothing listens on now (the server binds it itself, so another process could take it
+    in between: a start that fails on it is retried)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextmanager
+def chroma_server(directory: Path, timeout: float = 60.0):
+    """`chroma run` on 127.0.0.1 and a free port, persisting under `directory`, until the block ends;
+    yields its URL (`http://127.0.0.1:PORT`) once its heartbeat answers."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    log = directory / "chroma.log"
+    for _ in range(3):
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        with open(log, "ab") as out:
+            process = subprocess.Popen(
+                [str(CHROMA), "run", "--path", str(directory / "data"), "--host", "127.0.0.1", "--port", str(port)],
+                stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+            )
+        try:
+            if _wait_for_heartbeat(process, url, timeout):
+                break
+        except BaseException:
+            _stop(process)
+            raise
+        _stop(process)  # it exited (the port was taken meanwhile): another port
+    else:
+        raise RuntimeError(f"`chroma run` did not start; its log:\n{log.read_text(errors='replace')[-2000:]}")
+    try:
+        yield url
+    finally:
+        _stop(process)
+
+
+def _wait_for_heartbeat(process: subprocess.Popen, url: str, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            return False
+        try:
+            if httpx.get(f"{url}/api/v2/heartbeat", timeout=1.0).status_code == 200:
+                return True
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.05)
+    raise RuntimeError(f"`chroma run` at {url} gave no heartbeat within {timeout:.0f} s")
+
+
+def _stop(process: subprocess.Popen) -> None:
+    """SIGTERM (Chroma shuts down in a second or two), then SIGKILL if it lingers."""
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+class RedisServer:
+    """`redis-server` (Debian's package, installed by ./run's set-up) on 127.0.0.1 and a free port, no
+    persistence, evicting least-recently-used keys past `maxmemory`. `stop()` and `start()` restart it
+    on the same port (the same URL, empty again, as a restarted cache would be)."""
+
+    def __init__(self, directory: Path, maxmemory: str = "1gb", policy: str = "allkeys-lru"):
+        self.directory, self.maxmemory, self.policy = Path(directory), maxmemory, policy
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.port, self.process = free_port(), None
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self, timeout: float = 30.0) -> "RedisServer":
+        program = shutil.which("redis-server")
+        assert program, "redis-server is missing: ./run installs it (apt-get install redis-server)"
+        with open(self.directory / "redis.log", "ab") as out:
+            self.process = subprocess.Popen(
+                [program, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                 "--dir", str(self.directory), "--maxmemory", self.maxmemory, "--maxmemory-policy", self.policy],
+                stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+            )
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=1.0) as sock:
+                    sock.sendall(b"PING\r\n")
+                    if sock.recv(64).startswith(b"+PONG"):
+                        return self
+            except OSError:
+                pass
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                log = (self.directory / "redis.log").read_text(errors="replace")[-2000:]
+                raise RuntimeError(f"redis-server did not start on port {self.port}; its log:\n{log}")
+            time.sleep(0.02)
+
+    def stop(self) -> None:
+        if self.process is not None:
+            _stop(self.process)
+            self.process = None
+
+    def __enter__(self) -> "RedisServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
