@@ -4,7 +4,6 @@ Shared by the core's tests and the integrations' (pytest's pythonpath holds test
 `from servers import chroma_server, RedisServer`.
 """
 
-import shutil
 import socket
 import subprocess
 import sys
@@ -13,6 +12,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
+
+from kvrag.eval.scaleout import RedisServer  # noqa: F401 - the bench's, which starts redis-server the same way
 
 CHROMA = Path(sys.executable).with_name("chroma")
 """The `chroma` command chromadb installs next to the interpreter."""
@@ -80,48 +81,3 @@ def _stop(process: subprocess.Popen) -> None:
             process.kill()
             process.wait()
 
-
-class RedisServer:
-    """`redis-server` (Debian's package, installed by ./run's set-up) on 127.0.0.1 and a free port, no
-    persistence, evicting least-recently-used keys past `maxmemory`. `stop()` and `start()` restart it
-    on the same port (the same URL, empty again, as a restarted cache would be)."""
-
-    def __init__(self, directory: Path, maxmemory: str = "1gb", policy: str = "allkeys-lru"):
-        self.directory, self.maxmemory, self.policy = Path(directory), maxmemory, policy
-        self.directory.mkdir(parents=True, exist_ok=True)
-        self.port, self.process = free_port(), None
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self, timeout: float = 30.0) -> "RedisServer":
-        program = shutil.which("redis-server")
-        assert program, "redis-server is missing: ./run installs it (apt-get install redis-server)"
-        with open(self.directory / "redis.log", "ab") as out:
-            self.process = subprocess.Popen(
-                [program, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                 "--dir", str(self.directory), "--maxmemory", self.maxmemory, "--maxmemory-policy", self.policy],
-                stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-            )
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=1.0) as sock:
-                    sock.sendall(b"PING\r\n")
-                    if sock.recv(64).startswith(b"+PONG"):
-                        return self
-            except OSError:
-                pass
-            if self.process.poll() is not None or time.monotonic() > deadline:
-                log = (self.directory / "redis.log").read_text(errors="replace")[-2000:]
-                raise RuntimeError(f"redis-server did not start on port {self.port}; its log:\n{log}")
-            time.sleep(0.02)
-
-    def stop(self) -> None:
-        if self.process is not None:
-            _stop(self.process)
-            self.process = None
-
-    def __enter__(self) -> "RedisServer":
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.stop()

@@ -212,3 +212,18 @@ def test_values_hold_what_the_disk_files_hold(make_engine, tmp_path, url):
 def test_the_url_is_checked(make_engine, tmp_path):
     with pytest.raises(ValueError, match="redis://"):
         make_engine(home=tmp_path, remote="http://127.0.0.1:6379")
+
+
+def test_bench_remote_runs_its_three_parts(make_engine, tmp_path):
+    from kvrag.eval import scaleout
+
+    lines = []
+    scaleout.benchmark(lambda home, url: make_engine(home=home, remote=url), lengths=(64,), runs=1, requests=12,
+                       out=lines.append)
+    text = "\n".join(lines)
+    assert [line.split()[1] for line in lines if line.strip().startswith(tuple("0123456789"))] == [
+        "memory", "disk", "remote", "computed"]
+    encodings = next(line for line in lines if line.startswith("corpus "))
+    corpus = int(encodings.split()[1])
+    assert f"passage encodings A {corpus}, B 0, total {corpus}; passages encoded twice: 0" in encodings
+    assert "of 12 requests (4 clients, A and B in turn): 0 failed, 0 answers unlike before the restart" in text

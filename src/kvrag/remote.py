@@ -15,6 +15,7 @@ outage.
 
 import hashlib
 import logging
+import queue
 import threading
 import time
 import warnings
@@ -22,6 +23,7 @@ from urllib.parse import parse_qs, urlsplit
 
 PREFIX = "kvrag:"
 TIMEOUT = 2.0  # seconds: connecting, and each read or write of a call (a long transfer keeps reading)
+GROUP = 4  # blocks per round trip when a request's blocks are fetched (`iter_many`)
 BACKOFF, MAX_BACKOFF = 0.5, 30.0  # seconds before the first retry after a failure, and the most
 
 log = logging.getLogger(__name__)
@@ -96,6 +98,19 @@ class Remote:
 
     def get_many(self, keys: list[str]) -> list[bytes | None]:
         return self._call("get", lambda: self.client.mget([PREFIX + "kv:" + k for k in keys]), [None] * len(keys))
+
+    def iter_many(self, keys: list[str], group: int = GROUP):
+        """The values of `keys` in order, fetched `group` at a time by a helper thread, so that the
+        caller checks the first ones while the next are on their way."""
+        arrived = queue.Queue()
+
+        def fetch():
+            for i in range(0, len(keys), group):
+                arrived.put(self.get_many(keys[i : i + group]))
+
+        threading.Thread(target=fetch, name="kvrag-remote-fetch", daemon=True).start()
+        for _ in range(0, len(keys), group):
+            yield from arrived.get()
 
     def put(self, key: str, value: bytes) -> None:
         self._call("set", lambda: self.client.set(PREFIX + "kv:" + key, value), None)

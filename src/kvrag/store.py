@@ -203,7 +203,7 @@ class RemoteTier:
     def get_many(self, items: list[tuple[str, str]]) -> dict[str, KVBlock]:
         """{key: block} for the (key, context) pairs found intact."""
         found = {}
-        for (key, context), data in zip(items, self.remote.get_many([key for key, _ in items])):
+        for (key, context), data in zip(items, self.remote.iter_many([key for key, _ in items])):
             if data is None:
                 continue
             try:

@@ -297,6 +297,15 @@ def cmd_bench_load(args):
     print(f"  kvrag, first load (digests made):  {times['first']:.3f}")
 
 
+def cmd_bench_remote(args):
+    from kvrag.eval.scaleout import benchmark
+
+    def load(home, remote):  # another machine: a home of its own
+        return _engine(argparse.Namespace(**{**vars(args), "home": str(home), "remote": remote}))
+
+    benchmark(load, [int(x) for x in args.lengths.split(",")], args.runs, args.requests)
+
+
 def cmd_bench_serve(args):
     from kvrag.eval.serving import benchmark
 
@@ -576,6 +585,13 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--results", help="JSON-lines file of answers; a rerun resumes it (default: under the cache directory)")
     b.add_argument("--plot", help="PNG to write, needs matplotlib (default: next to the results; '' for none)")
     b.set_defaults(func=cmd_bench_accuracy)
+
+    b = _command(bench, "remote", "replicas on one Redis (a redis-server the bench starts): TTFT per tier, passage "
+                                  "encodings, a Redis restart under load")
+    b.add_argument("--lengths", default="1024,4096", help="context tokens before the question")
+    b.add_argument("--runs", type=int, default=5, help="runs per tier and length (the median is shown)")
+    b.add_argument("--requests", type=int, default=200, help="requests sent while Redis restarts")
+    b.set_defaults(func=cmd_bench_remote)
 
     b = _command(bench, "serve", "many clients against kvrag serve: batched scheduler vs one request at a time")
     b.add_argument("--clients", default="1,4,16", help="comma-separated numbers of concurrent clients")

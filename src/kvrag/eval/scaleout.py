@@ -1,0 +1,230 @@
+"""Replicas on one Redis: what the remote tier costs and saves (`kvrag bench remote`).
+
+Starts a `redis-server` of its own on a free localhost port (it restarts it, so never a user's) and
+measures, with the default model in block mode:
+- TTFT with every block in memory, on the local disk (memory cold), in the remote tier (memory and
+  disk cold) and computed (nothing cached), runs of the four interleaved;
+- two replicas (engines loaded apart, homes apart, one Redis): the sample corpus indexed through A,
+  its questions asked through A and B alike, and how many times each passage was encoded;
+- requests from four clients to both replicas while Redis is stopped and started again: errors, and
+  answers against those before the restart.
+"""
+
+import json
+import shutil
+import socket
+import statistics
+import subprocess
+import tempfile
+import threading
+import time
+from importlib.resources import files
+from pathlib import Path
+
+from kvrag.eval.ttft import FILLER
+from kvrag.store import MemoryTier
+
+
+class RedisServer:
+    """`redis-server` on 127.0.0.1 and a free port, no persistence, evicting least-recently-used keys past
+    `maxmemory`. `stop()` then `start()` restarts it on the same port, empty, as a restarted cache is."""
+
+    def __init__(self, directory: Path, maxmemory: str = "1gb", policy: str = "allkeys-lru"):
+        self.directory, self.maxmemory, self.policy = Path(directory), maxmemory, policy
+        self.directory.mkdir(parents=True, exist_ok=True)
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            self.port = sock.getsockname()[1]
+        self.url, self.process = f"redis://127.0.0.1:{self.port}/0", None
+
+    def start(self, timeout: float = 30.0) -> "RedisServer":
+        program = shutil.which("redis-server")
+        if program is None:
+            raise RuntimeError("redis-server is not installed (Debian: apt-get install redis-server; ./run's set-up does)")
+        with open(self.directory / "redis.log", "ab") as out:
+            self.process = subprocess.Popen(
+                [program, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                 "--dir", str(self.directory), "--maxmemory", self.maxmemory, "--maxmemory-policy", self.policy],
+                stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+            )
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=1.0) as sock:
+                    sock.sendall(b"PING\r\n")
+                    if sock.recv(64).startswith(b"+PONG"):
+                        return self
+            except OSError:
+                pass
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                log = (self.directory / "redis.log").read_text(errors="replace")[-2000:]
+                self.stop()
+                raise RuntimeError(f"redis-server did not start on port {self.port}; its log:\n{log}")
+            time.sleep(0.02)
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(15)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self.process = None
+
+    def __enter__(self) -> "RedisServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def _cold(engine) -> None:
+    """Forget what the engine holds in memory (its disk, and Redis, stay as they are)."""
+    engine.store.memory = MemoryTier(engine.store.memory.budget)
+
+
+def ttft_rows(engine, url: str, home: Path, lengths, runs: int, out=print) -> dict:
+    """Median TTFT (block mode, one new token) with the blocks in each tier, per context length. Each tier
+    is an engine of its own, so their scheduler workers must not linger into each other's runs: two
+    OpenMP teams at once would slow both (see threads.py)."""
+    from kvrag import KVEngine, scheduler
+
+    same = dict(fingerprint=engine.fingerprint, storage_dtype=engine.storage_dtype)
+    tiers = {
+        "memory": engine,
+        "disk": KVEngine(engine.model, engine.tokenizer, home=home / "disk", **same),
+        "remote": KVEngine(engine.model, engine.tokenizer, persist=False, remote=url, **same),
+        "computed": KVEngine(engine.model, engine.tokenizer, persist=False, **same),
+    }
+    question = "Which pilot guided the ship?"
+    per_passage = len(engine.layout.passage_ids(FILLER * 2 + " Record 0."))
+    out(f"{'context':>8} {'tier':<9} {'TTFT':>8} {'x memory':>9}")
+    medians, linger, scheduler.LINGER = {}, scheduler.LINGER, 0.0
+    try:
+        _ttft_rows(tiers, engine, question, per_passage, lengths, runs, medians, out)
+    finally:
+        scheduler.LINGER = linger
+    return medians
+
+
+def _ttft_rows(tiers, engine, question, per_passage, lengths, runs, medians, out) -> None:
+    for length in lengths:
+        passages = [FILLER * 2 + f" Record {length}-{i}." for i in range(max(1, round(length / per_passage)))]
+        tokens = sum(len(engine.layout.passage_ids(p)) for p in passages)
+        for name in ("memory", "disk", "remote"):
+            tiers[name].index(passages, progress=False)  # memory, disk: the local store; remote: Redis (and memory)
+        times = {name: [] for name in tiers}
+        for _ in range(runs + 1):  # the first round warms up and is dropped
+            for name, tier in tiers.items():
+                if name != "memory":
+                    _cold(tier)
+                result = tier.generate(question, passages, max_new_tokens=1)
+                expected = {"memory": "memory", "disk": "disk", "remote": "remote", "computed": "computed"}[name]
+                if result.cache_hits.get(expected, 0) < len(passages):
+                    raise RuntimeError(f"the {name} run was not served from {expected}: {result.cache_hits}")
+                times[name].append(result.ttft)
+        for name in tiers:
+            medians[length, name] = statistics.median(times[name][1:])
+            out(f"{tokens:>8} {name:<9} {medians[length, name] * 1e3:>6.0f}ms "
+                f"{medians[length, name] / medians[length, 'memory']:>8.2f}x")
+
+
+def sample_requests(engine, top_k: int = 4) -> tuple[list[str], list[tuple[str, list[str]]]]:
+    """The sample corpus's passages and each of its questions with its top-k retrieved passages."""
+    import torch
+
+    from kvrag.app.retrieval import Embedder
+    from kvrag.app.split import split_passages
+
+    sample = files("kvrag") / "sample"
+    passages = [p for name in sorted(f.name for f in sample.iterdir() if f.name.endswith(".md"))
+                for p in split_passages(sample.joinpath(name).read_text(), lambda t: len(engine.layout.encode(t)), 120)]
+    passages = list(dict.fromkeys(passages))
+    questions = [q["question"] for q in json.loads(sample.joinpath("questions.json").read_text())]
+    embedder = Embedder()
+    scores = torch.tensor(embedder.embed(questions)) @ torch.tensor(embedder.embed(passages)).T
+    return passages, [(q, [passages[j] for j in scores[i].topk(top_k).indices.tolist()]) for i, q in enumerate(questions)]
+
+
+def count_passage_encodings(engine, passages: list[str]) -> dict:
+    """Wrap the engine's encoder to count, per corpus passage, how often its KV is computed."""
+    by_ids = {tuple(engine.layout.passage_ids(p)): p for p in passages}
+    counts = dict.fromkeys(passages, 0)
+    encode = engine.blocks.encode
+
+    def counting(ids, after=None):
+        if tuple(ids) in by_ids:
+            counts[by_ids[tuple(ids)]] += 1
+        return encode(ids, after)
+
+    engine.blocks.encode = counting
+    return counts
+
+
+def replicas(load, url: str, home: Path, out=print) -> tuple:
+    """Two engines on one Redis; the corpus indexed through A, every question asked through both."""
+    a, b = load(home / "a", url), load(home / "b", url)
+    passages, requests = sample_requests(a)
+    counts = [count_passage_encodings(engine, passages) for engine in (a, b)]
+    a.index(passages, progress=False)
+    for question, top in requests:
+        for engine in (a, b):
+            engine.generate(question, top, max_new_tokens=8)
+    encoded = [sum(c.values()) for c in counts]
+    twice = sum(counts[0][p] + counts[1][p] > 1 for p in passages)
+    out(f"corpus {len(passages)} passages, indexed through A, {len(requests)} questions asked through A and B: "
+        f"passage encodings A {encoded[0]}, B {encoded[1]}, total {sum(encoded)}; passages encoded twice: {twice}")
+    return a, b, requests, encoded
+
+
+def restart(a, b, server: RedisServer, requests, total: int = 200, clients: int = 4, out=print) -> dict:
+    """`total` requests from `clients` threads to A and B in turn; Redis stopped at a third of them and
+    started again at two thirds."""
+    expected = {q: a.generate(q, top, max_new_tokens=8).token_ids for q, top in requests}
+    done, errors, wrong, lock = [0], [], [0], threading.Lock()
+    events = {total // 3: server.stop, 2 * total // 3: server.start}
+
+    def client(c):
+        while True:
+            with lock:
+                n = done[0]
+                if n >= total:
+                    return
+                done[0] += 1
+            if n in events:
+                events[n]()
+            question, top = requests[n % len(requests)]
+            try:
+                if (a, b)[n % 2].generate(question, top, max_new_tokens=8).token_ids != expected[question]:
+                    with lock:
+                        wrong[0] += 1
+            except Exception as exc:  # noqa: BLE001 - counted, that is what is measured
+                with lock:
+                    errors.append(repr(exc))
+
+    threads = [threading.Thread(target=client, args=(c,)) for c in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    out(f"Redis stopped after {total // 3} and started again after {2 * total // 3} of {total} requests "
+        f"({clients} clients, A and B in turn): {len(errors)} failed, {wrong[0]} answers unlike before the restart"
+        f"{': ' + errors[0] if errors else ''}")
+    return {"failed": len(errors), "wrong": wrong[0]}
+
+
+def benchmark(load, lengths=(1024, 4096), runs: int = 5, requests: int = 200, out=print) -> None:
+    """`load(home, remote_url)` makes an engine; the three parts above, in order."""
+    import warnings
+
+    with tempfile.TemporaryDirectory(prefix="kvrag-bench-remote-") as tmp, RedisServer(Path(tmp) / "redis") as server:
+        home = Path(tmp)
+        engine = load(home / "memory", None)
+        out(f"redis-server {server.url} (localhost TCP); block mode, 1 new token, median of {runs}\n")
+        ttft_rows(engine, server.url, home, lengths, runs, out)
+        out("")
+        a, b, asked, _ = replicas(load, server.url, home, out)
+        with warnings.catch_warnings():  # the outage's one warning per replica is expected here
+            warnings.simplefilter("ignore")
+            restart(a, b, server, asked, requests, out=out)
