@@ -3,6 +3,7 @@
 import os
 
 import pytest
+from servers import chroma  # noqa: F401 - the fixture: a `chroma run` server per test module (tests/servers.py)
 
 
 def pytest_addoption(parser):

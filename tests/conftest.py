@@ -71,3 +71,11 @@ def saved_model_and_adapter(tok, tmp_path):
                 p.normal_(0, 0.1)
     lora.save_pretrained(adapter_dir)
     return model_dir, adapter_dir
+
+
+@pytest.fixture(scope="module")
+def embedder():
+    """The packaged all-MiniLM-L6-v2."""
+    from kvrag.app.retrieval import Embedder
+
+    return Embedder()

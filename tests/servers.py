@@ -12,11 +12,19 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
+import pytest
 
 from kvrag.eval.scaleout import RedisServer  # noqa: F401 - the bench's, which starts redis-server the same way
 
 CHROMA = Path(sys.executable).with_name("chroma")
 """The `chroma` command chromadb installs next to the interpreter."""
+
+
+@pytest.fixture(scope="module")
+def chroma(tmp_path_factory):
+    """A `chroma run` server for a test module (import this fixture into it); yields its URL."""
+    with chroma_server(tmp_path_factory.mktemp("chroma")) as url:
+        yield url
 
 
 def free_port() -> int:

@@ -9,7 +9,7 @@ import sys
 from dataclasses import asdict
 
 import pytest
-from servers import chroma_server, free_port
+from servers import free_port
 
 from kvrag.app import cli
 from kvrag.app.cli import build_parser, main
@@ -166,12 +166,6 @@ def test_cli_refuses_a_non_utf8_file_and_indexes_nothing(tmp_path, capsys):
 
 PASSAGES = ["The lighthouse of Varnholm was built in 1873 by the engineer Ilsa Brandt.",
             "The river Olm freezes every winter, and the ferry stops until spring."]
-
-
-@pytest.fixture(scope="module")
-def chroma(tmp_path_factory):
-    with chroma_server(tmp_path_factory.mktemp("chroma")) as url:
-        yield url
 
 
 def test_index_and_ask_keep_the_passages_in_a_chroma_server(saved_model_and_adapter, tmp_path, chroma, monkeypatch,

@@ -16,7 +16,6 @@ from servers import chroma_server, free_port
 from kvrag import ChromaUnavailableError, KVRagError
 from kvrag.app.retrieval import (
     COSINE,
-    Embedder,
     PassageIndex,
     chroma_client,
     chroma_collection,
@@ -70,17 +69,6 @@ def test_passage_index_stores_a_text_repeated_in_one_batch_once(tmp_path):
 
 
 # ---- a Chroma server (`chroma run`, started for these tests) -------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def chroma(tmp_path_factory):
-    with chroma_server(tmp_path_factory.mktemp("chroma")) as url:
-        yield url
-
-
-@pytest.fixture(scope="module")
-def embedder():
-    return Embedder()
 
 
 PASSAGES = {

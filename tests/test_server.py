@@ -424,19 +424,6 @@ def test_kvrag_index_server_sends_the_passages_it_splits(engine, tok, tmp_path, 
     assert "cannot reach" in capsys.readouterr().err
 
 
-@pytest.fixture(scope="module")
-def chroma(tmp_path_factory):
-    with chroma_server(tmp_path_factory.mktemp("chroma")) as url:
-        yield url
-
-
-@pytest.fixture(scope="module")
-def embedder():
-    from kvrag.app.retrieval import Embedder
-
-    return Embedder()
-
-
 def test_replicas_share_one_passage_index_in_a_chroma_server(engine, chroma, embedder):
     """Two apps (two replicas of `kvrag serve --chroma URL`): what one indexes, the other retrieves."""
     from kvrag.app.retrieval import PassageIndex

@@ -12,7 +12,7 @@ from llama_index.core import SimpleDirectoryReader, StorageContext, VectorStoreI
 from llama_index.core.ingestion import IngestionPipeline
 from llama_index.core.node_parser import SentenceSplitter
 from llama_index.core.schema import TextNode
-from servers import chroma_server, free_port
+from servers import free_port
 
 from llama_index.llms.kvrag import default_vector_store
 from llama_index.llms.kvrag.storage import CONTENT_KEY, IdempotentChromaVectorStore, content_hash
@@ -105,12 +105,6 @@ def test_metadata_the_embedding_sees_is_content_and_a_repeat_in_one_batch_is_sto
 
 
 # ---- on a Chroma server (`chroma run`, started for these tests) --------------------------------------
-
-
-@pytest.fixture(scope="module")
-def chroma(tmp_path_factory):
-    with chroma_server(tmp_path_factory.mktemp("chroma")) as url:
-        yield url
 
 
 def test_with_chroma_url_an_index_lives_in_the_chroma_server(chroma, monkeypatch, tmp_path, docs_dir, embed_model):

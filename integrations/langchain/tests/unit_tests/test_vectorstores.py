@@ -24,7 +24,7 @@ from langchain_core.documents import Document
 from langchain_core.embeddings import DeterministicFakeEmbedding
 from langchain_core.indexing import InMemoryRecordManager, index
 from langchain_core.vectorstores import InMemoryVectorStore
-from servers import chroma_server, free_port
+from servers import free_port
 
 from langchain_kvrag.embeddings import KVRagEmbeddings
 from langchain_kvrag.vectorstores import DEFAULT_COLLECTION, KVRagVectorStore, document_id
@@ -370,12 +370,6 @@ def test_a_script_run_twice_in_new_processes_stores_each_document_once(tmp_path)
 
 
 # ---- the default collection on a Chroma server (`chroma run`, started for these tests) ----------------
-
-
-@pytest.fixture(scope="module")
-def chroma(tmp_path_factory):
-    with chroma_server(tmp_path_factory.mktemp("chroma")) as url:
-        yield url
 
 
 def test_with_chroma_url_the_collection_lives_in_the_chroma_server(chroma, tmp_path, monkeypatch, events):
