@@ -155,7 +155,7 @@ def test_requests_through_a_redis_restart_all_succeed(make_engine, tmp_path, red
         threads = [threading.Thread(target=client, args=(i,)) for i in range(4)]
         for t in threads:
             t.start()
-        redis_server.stop()
+        redis_server.kill()  # mid-reply, for the requests reading from it now
         time.sleep(0.1)
         redis_server.start()
         for t in threads:

@@ -98,7 +98,7 @@ def test_a_redis_restart_while_both_replicas_serve_fails_no_request(replicas):
     threads = [threading.Thread(target=client, args=(i,)) for i in range(4)]
     for t in threads:
         t.start()
-    for name, action in (("down", redis_server.stop), ("back", redis_server.start), ("done", None)):
+    for name, action in (("down", redis_server.kill), ("back", redis_server.start), ("done", None)):
         time.sleep(1.0)
         phase[0] = name
         if action:

@@ -62,6 +62,13 @@ class RedisServer:
                 raise RuntimeError(f"redis-server did not start on port {self.port}; its log:\n{log}")
             time.sleep(0.02)
 
+    def kill(self) -> None:
+        """SIGKILL: the server gone at once, its connections cut mid-reply."""
+        if self.process is not None:
+            self.process.kill()
+            self.process.wait()
+            self.process = None
+
     def stop(self) -> None:
         if self.process is not None and self.process.poll() is None:
             self.process.terminate()
