@@ -118,7 +118,8 @@ def test_an_unreachable_remote_tier_warns_once_and_changes_no_answer(make_engine
 
 def test_a_remote_tier_lost_mid_run_is_used_again_once_back(make_engine, tmp_path, redis_server, url):
     a, b = replicas(make_engine, tmp_path, url)
-    a.index(TEXTS[:1], progress=False)
+    a.index(TEXTS, progress=False)
+    assert len(b.passages) == len(TEXTS)  # b has read the registry up to its third entry
     redis_server.stop()
     try:
         with warnings.catch_warnings(record=True) as records:
@@ -129,11 +130,12 @@ def test_a_remote_tier_lost_mid_run_is_used_again_once_back(make_engine, tmp_pat
     finally:
         redis_server.start()  # same port, empty: a restarted cache
     time.sleep(0.25)  # past the backoff
-    b.index(["A passage indexed once the server is back, long enough to be matched."], progress=False)
+    later = "A passage indexed once the server is back, long enough to be matched."
+    a.index([later], progress=False)
     assert redis.Redis.from_url(url).dbsize() > 0  # writes reach it again
+    assert b.passages.find(f"Context: {later}") == [(9, 9 + len(later))]  # the emptied registry is read afresh
     c = make_engine(home=tmp_path / "c", remote=url)
-    assert c.generate("Which passage?", ["A passage indexed once the server is back, long enough to be matched."],
-                      max_new_tokens=2).cache_hits.get("remote", 0) >= 1
+    assert c.generate("Which passage?", [later], max_new_tokens=2).cache_hits.get("remote", 0) >= 1
 
 
 def test_requests_through_a_redis_restart_all_succeed(make_engine, tmp_path, redis_server, url):

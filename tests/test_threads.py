@@ -1,7 +1,7 @@
 """kvrag.threads: a core left to each core other processes keep busy, all taken back once they leave."""
 
-import os
-import threading
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -85,26 +85,31 @@ def test_the_real_machine_can_be_read():
     assert 0 <= busy <= len(cpus) * (threads.time.monotonic() - wall + 0.02)
 
 
+HAND_OVER = """
+import os, threading, torch
+from kvrag import threads
+assert threads._pause_resources() is not None  # torch's wheel uses GNU OpenMP
+tasks = lambda: len(os.listdir("/proc/self/task"))
+counts = []
+def run():
+    torch.set_num_threads(3)
+    counts.append(tasks())
+    torch.ones(1 << 22).exp_()  # large enough for a parallel region: the team's 2 other threads start
+    counts.append(tasks())
+    threads.hand_over()
+    counts.append(tasks())
+thread = threading.Thread(target=run)
+thread.start()
+thread.join()
+print(counts)
+"""
+
+
 def test_hand_over_ends_the_calling_threads_openmp_team():
     """The worker's team must be the process's only one (see threads.py): a thread that ran torch with
-    threads keeps a team of its own until it hands over. Checked in a new thread, whose OpenMP state
-    no earlier test touched."""
-    assert threads._pause_resources() is not None  # CI's torch wheel uses GNU OpenMP
-    for worker in [t for t in threading.enumerate() if t.name == "kvrag-scheduler"]:
-        worker.join()  # an earlier test's, lingering: its end would change the counts below
-    tasks = lambda: len(os.listdir("/proc/self/task"))  # noqa: E731
-    counts = []
-
-    def run():
-        torch.set_num_threads(3)
-        counts.append(tasks())
-        torch.ones(1 << 22).exp_()  # large enough for a parallel region: the team's 2 other threads start
-        counts.append(tasks())
-        threads.hand_over()
-        counts.append(tasks())
-
-    thread = threading.Thread(target=run)
-    thread.start()
-    thread.join()
-    alone = counts[0]
-    assert counts == [alone, alone + 2, alone]
+    threads keeps a team of its own until it hands over. Counted in a process of its own, where no
+    other thread starts or ends meanwhile."""
+    done = subprocess.run([sys.executable, "-c", HAND_OVER], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    alone = int(done.stdout.strip("[]\n").split(",")[0])
+    assert done.stdout.strip() == str([alone, alone + 2, alone])

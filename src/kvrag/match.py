@@ -117,8 +117,8 @@ class PassageMatcher:
         last look."""
         if self.remote is not None:
             with self._lock:
-                for text in self.remote.passages(self._remote_seen):
-                    self._remote_seen += 1
+                texts, self._remote_seen = self.remote.passages(self._remote_seen)
+                for text in texts:
                     if text is not None and len(text) >= self.min_chars:
                         self._remember(text)
         if self._db is None:

@@ -134,11 +134,22 @@ class Remote:
         if texts:
             self._call("add passages", add, None)
 
-    def passages(self, start: int) -> list[str | None]:
-        """The registry's passages from the `start`-th on (None for an entry that is not text); [] when the
-        server cannot say."""
-        values = self._call("read passages", lambda: self.client.lrange(PREFIX + "passages", start, -1), [])
-        return [_text(v) for v in values]
+    def passages(self, start: int) -> tuple[list[str | None], int]:
+        """The registry's passages from the `start`-th on (None for an entry that is not text), and where
+        the next read starts. A registry shorter than `start` was emptied (a restarted server): read
+        from its first. Nothing, and `start` again, when the server cannot say."""
+        key = PREFIX + "passages"
+
+        def read():
+            pipe = self.client.pipeline(transaction=True)
+            length, values = pipe.llen(key).lrange(key, start, -1).execute()
+            if length < start:
+                values = self.client.lrange(key, 0, -1)
+                return values, len(values)
+            return values, start + len(values)
+
+        values, after = self._call("read passages", read, ([], start))
+        return [_text(v) for v in values], after
 
 
 def _text(value: bytes) -> str | None:

@@ -32,11 +32,11 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
-from starlette.concurrency import run_in_threadpool
+from starlette.concurrency import run_in_threadpool as _run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.routing import Match
 
-from kvrag import MODES, ChromaUnavailableError, ContextOverflowError
+from kvrag import MODES, ChromaUnavailableError, ContextOverflowError, threads
 from kvrag.errors import QueueFullError, RequestTimeoutError
 from kvrag.modes import Mode
 
@@ -88,6 +88,19 @@ def _engine_errors():
                        code="timeout") from exc
     except (ValueError, TypeError) as exc:  # EmptyInputError, InputEncodingError, options out of range
         raise APIError(400, str(exc)) from exc
+
+
+async def run_in_threadpool(fn, *args):
+    """`fn` on one of the server's threads, which then gives up the OpenMP team it started (indexing and
+    embedding run torch there): the scheduler's worker keeps the only one (see kvrag.threads)."""
+
+    def alone():
+        try:
+            return fn(*args)
+        finally:
+            threads.hand_over()
+
+    return await _run_in_threadpool(alone)
 
 
 @contextmanager
