@@ -672,3 +672,12 @@ def test_the_kvrag_serve_command(default_engine):
     # uvicorn shuts down gracefully, then re-raises the signal so that its parent sees how it ended
     assert process.returncode in (0, -signal.SIGTERM) and "Finished server process" in output, output[-3000:]
     assert f"http://127.0.0.1:{port}/v1" in output
+
+
+def test_the_bench_serve_workload_is_the_sample_corpus_retrieved(engine):
+    from kvrag.eval import serving as bench
+
+    passages, requests = bench.workload(engine, 8)
+    assert len(requests) == 8 and len(set(passages)) == len(passages)
+    for system, user in requests:
+        assert sum(p in system["content"] for p in passages) == 4 and user["role"] == "user"

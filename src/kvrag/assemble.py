@@ -121,9 +121,9 @@ class Blocks:
     def assemble(self, prompt, keys: list[str], ws: Workspace, reorder: bool = True):
         """Write the prefix's and blocks' KV into `ws`, each block moved to where it sits (`reorder`)
         or left where it was encoded. Returns the slots filled, a bool per slot telling whether its KV
-        came from the store, and the hits per tier. The blocks no local tier holds come from the remote
-        tier together; each block is written as soon as it is at hand: on a GPU its copy runs while the
-        next one is fetched."""
+        came from the store, and the hits per tier. The blocks are looked up together first (those no
+        local tier holds come from the remote tier in few round trips); on a GPU their copies to the
+        device are queued as they are read, and run while the next are read."""
         hits: dict[str, int] = {}
         context, after = self.context(prompt.prefix), self.encoded_after(prompt.prefix)
         parts = [(self.store.key("none", prompt.prefix), "none", prompt.prefix, None)] if prompt.prefix else []

@@ -132,13 +132,13 @@ def cmd_index(args):
         print(f"indexed {len(passages)} passages from {len(files)} files on {args.server}")
         return
     chroma = _chroma(args)
-    on_server = isinstance(chroma, str)
-    index = PassageIndex(chroma) if on_server else None  # a Chroma server that does not answer: before any work
+    index = PassageIndex(chroma)  # a Chroma server that does not answer: refused before any work
     engine = _engine(args)
     passages, sources = _passages(engine.layout.encode, texts, args.max_tokens)
     engine.index(passages)  # its progress bar shows how many were newly encoded
-    (index if index is not None else PassageIndex(chroma)).add(passages, sources)
-    print(f"indexed {len(passages)} passages from {len(files)} files{f' into Chroma at {chroma}' if on_server else ''}")
+    index.add(passages, sources)
+    print(f"indexed {len(passages)} passages from {len(files)} files"
+          f"{f' into Chroma at {chroma}' if isinstance(chroma, str) else ''}")
 
 
 def _print_stats(result):

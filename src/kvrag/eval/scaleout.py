@@ -10,7 +10,6 @@ measures, with the default model in block mode:
   answers against those before the restart.
 """
 
-import json
 import shutil
 import socket
 import statistics
@@ -18,9 +17,9 @@ import subprocess
 import tempfile
 import threading
 import time
-from importlib.resources import files
 from pathlib import Path
 
+from kvrag.eval.serving import sample_retrievals
 from kvrag.eval.ttft import FILLER
 from kvrag.store import MemoryTier
 
@@ -109,49 +108,27 @@ def ttft_rows(engine, url: str, home: Path, lengths, runs: int, out=print) -> di
     out(f"{'context':>8} {'tier':<9} {'TTFT':>8} {'x memory':>9}")
     medians, linger, scheduler.LINGER = {}, scheduler.LINGER, 0.0
     try:
-        _ttft_rows(tiers, engine, question, per_passage, lengths, runs, medians, out)
+        for length in lengths:
+            passages = [FILLER * 2 + f" Record {length}-{i}." for i in range(max(1, round(length / per_passage)))]
+            tokens = sum(len(engine.layout.passage_ids(p)) for p in passages)
+            for name in ("memory", "disk", "remote"):
+                tiers[name].index(passages, progress=False)  # memory, disk: the local store; remote: Redis too
+            times = {name: [] for name in tiers}
+            for _ in range(runs + 1):  # the first round warms up and is dropped
+                for name, tier in tiers.items():
+                    if name != "memory":
+                        _cold(tier)
+                    result = tier.generate(question, passages, max_new_tokens=1)
+                    if result.cache_hits.get(name, 0) < len(passages):  # the tier's name is the hits' name
+                        raise RuntimeError(f"the {name} run was not served from there: {result.cache_hits}")
+                    times[name].append(result.ttft)
+            for name in tiers:
+                medians[length, name] = statistics.median(times[name][1:])
+                out(f"{tokens:>8} {name:<9} {medians[length, name] * 1e3:>6.0f}ms "
+                    f"{medians[length, name] / medians[length, 'memory']:>8.2f}x")
     finally:
         scheduler.LINGER = linger
     return medians
-
-
-def _ttft_rows(tiers, engine, question, per_passage, lengths, runs, medians, out) -> None:
-    for length in lengths:
-        passages = [FILLER * 2 + f" Record {length}-{i}." for i in range(max(1, round(length / per_passage)))]
-        tokens = sum(len(engine.layout.passage_ids(p)) for p in passages)
-        for name in ("memory", "disk", "remote"):
-            tiers[name].index(passages, progress=False)  # memory, disk: the local store; remote: Redis (and memory)
-        times = {name: [] for name in tiers}
-        for _ in range(runs + 1):  # the first round warms up and is dropped
-            for name, tier in tiers.items():
-                if name != "memory":
-                    _cold(tier)
-                result = tier.generate(question, passages, max_new_tokens=1)
-                expected = {"memory": "memory", "disk": "disk", "remote": "remote", "computed": "computed"}[name]
-                if result.cache_hits.get(expected, 0) < len(passages):
-                    raise RuntimeError(f"the {name} run was not served from {expected}: {result.cache_hits}")
-                times[name].append(result.ttft)
-        for name in tiers:
-            medians[length, name] = statistics.median(times[name][1:])
-            out(f"{tokens:>8} {name:<9} {medians[length, name] * 1e3:>6.0f}ms "
-                f"{medians[length, name] / medians[length, 'memory']:>8.2f}x")
-
-
-def sample_requests(engine, top_k: int = 4) -> tuple[list[str], list[tuple[str, list[str]]]]:
-    """The sample corpus's passages and each of its questions with its top-k retrieved passages."""
-    import torch
-
-    from kvrag.app.retrieval import Embedder
-    from kvrag.app.split import split_passages
-
-    sample = files("kvrag") / "sample"
-    passages = [p for name in sorted(f.name for f in sample.iterdir() if f.name.endswith(".md"))
-                for p in split_passages(sample.joinpath(name).read_text(), lambda t: len(engine.layout.encode(t)), 120)]
-    passages = list(dict.fromkeys(passages))
-    questions = [q["question"] for q in json.loads(sample.joinpath("questions.json").read_text())]
-    embedder = Embedder()
-    scores = torch.tensor(embedder.embed(questions)) @ torch.tensor(embedder.embed(passages)).T
-    return passages, [(q, [passages[j] for j in scores[i].topk(top_k).indices.tolist()]) for i, q in enumerate(questions)]
 
 
 def count_passage_encodings(engine, passages: list[str]) -> dict:
@@ -172,7 +149,7 @@ def count_passage_encodings(engine, passages: list[str]) -> dict:
 def replicas(load, url: str, home: Path, out=print) -> tuple:
     """Two engines on one Redis; the corpus indexed through A, every question asked through both."""
     a, b = load(home / "a", url), load(home / "b", url)
-    passages, requests = sample_requests(a)
+    passages, requests = sample_retrievals(a)
     counts = [count_passage_encodings(engine, passages) for engine in (a, b)]
     a.index(passages, progress=False)
     for question, top in requests:

@@ -53,8 +53,8 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, round(q / 100 * len(ordered) + 0.5) - 1))]
 
 
-def workload(engine, count: int, top_k: int = 4) -> list[list[dict]]:
-    """Chat messages for `count` questions of the sample corpus, each with its top-k retrieved passages."""
+def sample_retrievals(engine, top_k: int = 4) -> tuple[list[str], list[tuple[str, list[str]]]]:
+    """The sample corpus's passages, and each of its questions with its top-k passages (MiniLM)."""
     from importlib.resources import files
 
     from kvrag.app.retrieval import Embedder
@@ -63,16 +63,21 @@ def workload(engine, count: int, top_k: int = 4) -> list[list[dict]]:
     sample = files("kvrag") / "sample"
     passages = [p for name in sorted(f.name for f in sample.iterdir() if f.name.endswith(".md"))
                 for p in split_passages(sample.joinpath(name).read_text(), lambda t: len(engine.layout.encode(t)), 120)]
+    passages = list(dict.fromkeys(passages))
     questions = [q["question"] for q in json.loads(sample.joinpath("questions.json").read_text())]
     embedder = Embedder()
-    vectors = torch.tensor(embedder.embed(passages))
-    scores = torch.tensor(embedder.embed(questions)) @ vectors.T
+    scores = torch.tensor(embedder.embed(questions)) @ torch.tensor(embedder.embed(passages)).T
+    return passages, [(q, [passages[j] for j in scores[i].topk(top_k).indices.tolist()]) for i, q in enumerate(questions)]
+
+
+def workload(engine, count: int, top_k: int = 4) -> tuple[list[str], list[list[dict]]]:
+    """Chat messages for `count` questions of the sample corpus, each with its top-k retrieved passages."""
+    passages, asked = sample_retrievals(engine, top_k)
     requests = []
     for i in range(count):
-        q = i % len(questions)
-        top = [passages[j] for j in scores[q].topk(top_k).indices.tolist()]
+        question, top = asked[i % len(asked)]
         requests.append([{"role": "system", "content": SYSTEM.format(context="\n\n".join(top))},
-                         {"role": "user", "content": questions[q]}])
+                         {"role": "user", "content": question}])
     return passages, requests
 
 
