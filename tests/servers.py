@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvrag.eval.scaleout import RedisServer  # noqa: F401 - the bench's, which starts redis-server the same way
+from kvrag.eval.scaleout import RedisServer, stop_process  # noqa: F401 - the bench's, which starts redis-server
 
 CHROMA = Path(sys.executable).with_name("chroma")
 """The `chroma` command chromadb installs next to the interpreter."""
@@ -54,15 +54,15 @@ def chroma_server(directory: Path, timeout: float = 60.0):
             if _wait_for_heartbeat(process, url, timeout):
                 break
         except BaseException:
-            _stop(process)
+            stop_process(process)
             raise
-        _stop(process)  # it exited (the port was taken meanwhile): another port
+        stop_process(process)  # it exited (the port was taken meanwhile): another port
     else:
         raise RuntimeError(f"`chroma run` did not start; its log:\n{log.read_text(errors='replace')[-2000:]}")
     try:
         yield url
     finally:
-        _stop(process)
+        stop_process(process)
 
 
 def _wait_for_heartbeat(process: subprocess.Popen, url: str, timeout: float) -> bool:
@@ -77,15 +77,4 @@ def _wait_for_heartbeat(process: subprocess.Popen, url: str, timeout: float) -> 
             pass
         time.sleep(0.05)
     raise RuntimeError(f"`chroma run` at {url} gave no heartbeat within {timeout:.0f} s")
-
-
-def _stop(process: subprocess.Popen) -> None:
-    """SIGTERM (Chroma shuts down in a second or two), then SIGKILL if it lingers."""
-    if process.poll() is None:
-        process.terminate()
-        try:
-            process.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
 

@@ -2,17 +2,15 @@
 `chroma run`: what is indexed through one is answered through the other from the remote tier, and a
 Redis restart while both serve fails no request."""
 
-import subprocess
-import sys
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import pytest
-from servers import RedisServer, chroma_server, free_port
+from servers import RedisServer, chroma_server
 
-KVRAG = Path(sys.executable).with_name("kvrag")
+from kvrag.eval.serving import Server
+
 TEXTS = [
     "The lighthouse on Harrow Point was built by Edda Marsh in 1871 from granite blocks.",
     "The tide clock of Port Alder was invented by Mirela Kostavar, a clockmaker and sailor.",
@@ -21,42 +19,21 @@ TEXTS = [
 QUESTION = "Who built the lighthouse?"
 
 
-def serve(model_dir: Path, home: Path, redis_url: str, chroma_url: str):
-    """A `kvrag serve` process on a free port; (process, base URL) once /health answers."""
-    port = free_port()
-    log = open(home.with_suffix(".log"), "ab")
-    process = subprocess.Popen(
-        [str(KVRAG), "--model", str(model_dir), "--adapter", "none", "--device", "cpu", "--home", str(home),
-         "--remote", redis_url, "--chroma", chroma_url, "serve", "--port", str(port), "--log-level", "warning"],
-        stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-    )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while True:
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return process, url
-        except httpx.HTTPError:
-            pass
-        if process.poll() is not None or time.monotonic() > deadline:
-            process.kill()
-            raise RuntimeError(f"kvrag serve did not start:\n{home.with_suffix('.log').read_text()[-3000:]}")
-        time.sleep(0.1)
-
-
 @pytest.fixture
 def replicas(saved_model_and_adapter, tmp_path):
+    """Redis, Chroma and two `kvrag serve` processes on them (the serving bench's `Server`)."""
     model_dir, _ = saved_model_and_adapter
     with RedisServer(tmp_path / "redis") as redis_server, chroma_server(tmp_path / "chroma") as chroma_url:
-        processes = []
+        options = ["--model", str(model_dir), "--adapter", "none", "--device", "cpu", "--remote", redis_server.url,
+                   "--chroma", chroma_url]
+        servers = []
         try:
             for name in ("a", "b"):
-                processes.append(serve(model_dir, tmp_path / name, redis_server.url, chroma_url))
-            yield redis_server, [url for _, url in processes]
+                servers.append(Server(tmp_path / name, max_batch=16, extra=options))
+            yield redis_server, [server.url for server in servers]
         finally:
-            for process, _ in processes:
-                process.terminate()
-                process.wait(30)
+            for server in servers:
+                server.close()
 
 
 def ask(url: str, passages: list[str], max_tokens: int = 4) -> dict:

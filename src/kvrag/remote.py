@@ -1,7 +1,7 @@
 """The shared tier: a Redis server (or any server that speaks its protocol) that replicas on several
 machines use for KV blocks and for the passage registry.
 
-Blocks are plain values under `kvrag:kv:<key>`, read in one pipelined round trip per request; the
+Blocks are plain values under `kvrag:kv:<key>`, a request's read a few per round trip; the
 passages the drop-in matcher looks for are a list, `kvrag:passages`, with a set of their digests
 beside it so that each text is added once. Redis evicts on its own (`maxmemory` with an LRU
 policy); a write it refuses (full, or a value over its limit) is skipped, never an error.
@@ -101,7 +101,10 @@ class Remote:
 
     def iter_many(self, keys: list[str], group: int = GROUP):
         """The values of `keys` in order, fetched `group` at a time by a helper thread, so that the
-        caller checks the first ones while the next are on their way."""
+        caller checks the first ones while the next are on their way (no thread for a single group)."""
+        if len(keys) <= group:
+            yield from self.get_many(keys)
+            return
         arrived = queue.Queue()
 
         def fetch():

@@ -98,9 +98,10 @@ def pack(fingerprint: str, key: str, context: str, block: KVBlock) -> bytes:
 def unpack(data: bytes, fingerprint: str, key: str, context: str) -> KVBlock:
     """The block in `data`, or ValueError if anything in it is not what `pack` wrote for this key. The header
     is checked before any tensor is read; the tensors are copies, not views of `data`."""
-    if len(data) < 8 or int.from_bytes(data[:8], "little") > len(data) - 8:
+    size = int.from_bytes(data[:8], "little")
+    if len(data) < 8 or size > len(data) - 8:
         raise ValueError(f"not a safetensors value ({len(data)} bytes)")
-    header = json.loads(data[8 : 8 + int.from_bytes(data[:8], "little")])
+    header = json.loads(data[8 : 8 + size])
     metadata = header.get("__metadata__") if isinstance(header, dict) else None
     metadata = metadata if isinstance(metadata, dict) else {}
     expected = {"format": FORMAT, "fingerprint": fingerprint, "key": key, "context": context}
@@ -188,7 +189,7 @@ class DiskTier:
 class RemoteTier:
     """Blocks in a Redis server shared by replicas (`remote.Remote`), one value per block, `pack`'s bytes.
 
-    Several blocks come in one round trip (`get_many`). A value that fails its checks is deleted; an
+    A request's blocks are fetched together (`get_many`, a few per round trip). A value that fails its checks is deleted; an
     unreachable or slow server reads as misses and skips writes (remote.py says how it recovers)."""
 
     def __init__(self, remote, fingerprint: str):
@@ -239,12 +240,8 @@ class KVStore:
         return block_key(self.fingerprint, context, token_ids)
 
     def __contains__(self, key: str) -> bool:
-        return self.local(key) or (self.remote is not None and key in self.remote)
-
-    def local(self, key: str) -> bool:
-        """Whether the block is in a tier of this machine."""
         return (key in self.memory or (self.device_tier is not None and key in self.device_tier)
-                or (self.disk is not None and key in self.disk))
+                or (self.disk is not None and key in self.disk) or (self.remote is not None and key in self.remote))
 
     def persisted(self, key: str) -> bool:
         """Whether the block outlives the process: on disk, or there is no disk to put it on."""
@@ -277,7 +274,7 @@ class KVStore:
 
     def get_many(self, items: list[tuple[str, str]]) -> dict[str, tuple[KVBlock | None, str]]:
         """`get` for several (key, context) pairs; the ones no local tier holds come from the remote tier
-        in one round trip."""
+        together (`RemoteTier.get_many`)."""
         found, remote = {}, []
         for key, context in items:
             found[key] = self._get_local(key, context)

@@ -24,6 +24,17 @@ from kvrag.eval.ttft import FILLER
 from kvrag.store import MemoryTier
 
 
+def stop_process(process: subprocess.Popen, timeout: float = 15) -> None:
+    """SIGTERM, then SIGKILL if it lingers past `timeout` seconds."""
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
 class RedisServer:
     """`redis-server` on 127.0.0.1 and a free port, no persistence, evicting least-recently-used keys past
     `maxmemory`. `stop()` then `start()` restarts it on the same port, empty, as a restarted cache is."""
@@ -69,13 +80,8 @@ class RedisServer:
             self.process = None
 
     def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(15)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        if self.process is not None:
+            stop_process(self.process)
         self.process = None
 
     def __enter__(self) -> "RedisServer":
