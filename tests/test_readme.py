@@ -65,7 +65,7 @@ def test_python_snippet_runs(path, line, code, monkeypatch, capsys):
 
 
 def test_the_results_file_reproduces_the_accuracy_tables(monkeypatch, capsys):
-    """The recomputation snippet in docs/benchmarks.md prints the docs' table rows and the README's interval."""
+    """The recomputation snippet in docs/benchmarks.md prints the docs' table rows and finetuning.md's interval."""
     (line, code), = [(n, c) for n, c in snippets(ROOT / "docs" / "benchmarks.md", "python") if "accuracy.csv.gz" in c]
     monkeypatch.chdir(ROOT)
     exec(compile(code, f"docs/benchmarks.md:{line}", "exec"), {"__name__": "__main__"})  # noqa: S102
@@ -76,7 +76,7 @@ def test_the_results_file_reproduces_the_accuracy_tables(monkeypatch, capsys):
     for row in rows:
         assert row in benchmarks, row
     assert "block - full: -0.1 ± 2.7 points" in out
-    assert "-0.1 ± 2.7 points" in README.read_text(encoding="utf-8")
+    assert "**-0.1 ± 2.7**" in (ROOT / "docs" / "finetuning.md").read_text(encoding="utf-8")
 
 
 def test_setup_commands_are_the_two_that_ci_runs():

@@ -193,7 +193,7 @@ class TrainConfig:
     save_every: int = 25
     seed: int = 0  # the order examples are drawn in (the CLI also draws the full-attention share with it)
     # seeds torch for the LoRA init and the dropout masks; None leaves torch's generator as the process
-    # has it, which is how the shipped adapter was trained
+    # has it, which is how the shipped adapter's stages were trained
     init_seed: int | None = None
     init_adapter: str | None = None  # a saved LoRA adapter (same rank) to continue training from
     distill: float = 0.0  # weight of block mode's divergence from full mode's predictions (`loss`)
