@@ -189,8 +189,9 @@ class DiskTier:
 class RemoteTier:
     """Blocks in a Redis server shared by replicas (`remote.Remote`), one value per block, `pack`'s bytes.
 
-    A request's blocks are fetched together (`get_many`, a few per round trip). A value that fails its checks is deleted; an
-    unreachable or slow server reads as misses and skips writes (remote.py says how it recovers)."""
+    A request's blocks are fetched together (`get_many`, a few per round trip). A value that fails its
+    checks is deleted; an unreachable or slow server reads as misses and skips writes (remote.py says
+    how it recovers)."""
 
     def __init__(self, remote, fingerprint: str):
         self.remote, self.fingerprint = remote, fingerprint
