@@ -79,6 +79,21 @@ def test_the_results_file_reproduces_the_accuracy_tables(monkeypatch, capsys):
     assert "**-0.1 ± 2.7**" in (ROOT / "docs" / "finetuning.md").read_text(encoding="utf-8")
 
 
+def test_the_answer_files_reproduce_block_against_full_with_the_adapter(monkeypatch, capsys):
+    """The snippet in docs/layouts.md prints the intervals of its table of block and blend against full
+    mode with the adapter too, from the answer files in docs/results."""
+    (line, code), = [(n, c) for n, c in snippets(ROOT / "docs" / "layouts.md", "python") if "layouts-test-fulladapter" in c]
+    monkeypatch.chdir(ROOT)
+    exec(compile(code, f"docs/layouts.md:{line}", "exec"), {"__name__": "__main__"})  # noqa: S102
+    gaps = re.findall(r"^(?:\[([\w-]+)\] )?(block|blend) - full: ([+-]\d+\.\d) ± (\d+\.\d) points", capsys.readouterr().out, re.M)
+    assert len(gaps) == 16  # block and blend in each of the 8 layouts
+    text = (ROOT / "docs" / "layouts.md").read_text(encoding="utf-8")
+    section = text[text.index("## Full mode with the adapter too"):]
+    for layout, method, diff, half in gaps:
+        row = next(r for r in section.splitlines() if r.startswith(f"| {layout or 'kvrag'} |"))
+        assert f"{diff.replace('-', '−')} ± {half}" in row.split(" | ")[6 if method == "block" else 7], (layout, method, row)
+
+
 def test_setup_commands_are_the_two_that_ci_runs():
     text = README.read_text(encoding="utf-8")
     section = text.split("\n## Two commands\n", 1)[1].split("\n## ", 1)[0]
