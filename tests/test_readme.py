@@ -64,12 +64,17 @@ def test_python_snippet_runs(path, line, code, monkeypatch, capsys):
             assert ANSWERS[question].lower() in out.lower(), (question, out)
 
 
+def run_snippet(doc: str, marker: str, monkeypatch, capsys) -> str:
+    """What the one Python snippet in docs/`doc` that mentions `marker` prints, run from the repository root."""
+    (line, code), = [(n, c) for n, c in snippets(ROOT / "docs" / doc, "python") if marker in c]
+    monkeypatch.chdir(ROOT)
+    exec(compile(code, f"docs/{doc}:{line}", "exec"), {"__name__": "__main__"})  # noqa: S102
+    return capsys.readouterr().out
+
+
 def test_the_results_file_reproduces_the_accuracy_tables(monkeypatch, capsys):
     """The recomputation snippet in docs/benchmarks.md prints the docs' table rows and finetuning.md's interval."""
-    (line, code), = [(n, c) for n, c in snippets(ROOT / "docs" / "benchmarks.md", "python") if "accuracy.csv.gz" in c]
-    monkeypatch.chdir(ROOT)
-    exec(compile(code, f"docs/benchmarks.md:{line}", "exec"), {"__name__": "__main__"})  # noqa: S102
-    out = capsys.readouterr().out
+    out = run_snippet("benchmarks.md", "accuracy.csv.gz", monkeypatch, capsys)
     benchmarks = (ROOT / "docs" / "benchmarks.md").read_text(encoding="utf-8")
     rows = [row for row in out.splitlines() if row.startswith("| ") and "---" not in row]
     assert len(rows) == 8  # the header and seven methods
@@ -82,10 +87,8 @@ def test_the_results_file_reproduces_the_accuracy_tables(monkeypatch, capsys):
 def test_the_answer_files_reproduce_block_against_full_with_the_adapter(monkeypatch, capsys):
     """The snippet in docs/layouts.md prints the intervals of its table of block and blend against full
     mode with the adapter too, from the answer files in docs/results."""
-    (line, code), = [(n, c) for n, c in snippets(ROOT / "docs" / "layouts.md", "python") if "layouts-test-fulladapter" in c]
-    monkeypatch.chdir(ROOT)
-    exec(compile(code, f"docs/layouts.md:{line}", "exec"), {"__name__": "__main__"})  # noqa: S102
-    gaps = re.findall(r"^(?:\[([\w-]+)\] )?(block|blend) - full: ([+-]\d+\.\d) ± (\d+\.\d) points", capsys.readouterr().out, re.M)
+    out = run_snippet("layouts.md", "layouts-test-fulladapter", monkeypatch, capsys)
+    gaps = re.findall(r"^(?:\[([\w-]+)\] )?(block|blend) - full: ([+-]\d+\.\d) ± (\d+\.\d) points", out, re.M)
     assert len(gaps) == 16  # block and blend in each of the 8 layouts
     text = (ROOT / "docs" / "layouts.md").read_text(encoding="utf-8")
     section = text[text.index("## Full mode with the adapter too"):]
