@@ -5,10 +5,11 @@ import json
 
 import pytest
 import torch
+from test_blend import blend_logits, recomputed
 from test_invariants import question_logits, random_prompt
 from tiny import block_mask, tiny_configs, tiny_model
 
-from kvrag import KVEngine, attention
+from kvrag import BlendConfig, KVEngine, attention
 from kvrag.eval.accuracy import _settings
 from kvrag.eval.layouts import LAYOUTS
 from kvrag.train import finetune as ft
@@ -73,6 +74,31 @@ def test_training_in_an_apps_layout_sees_what_block_mode_computes_on_that_prompt
                                rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("arch, settings", [("llama", {}), ("qwen3", {"recompute_ratio": 0.3, "deviation": "values"}),
+                                             ("llama", {"sink_tokens": 2})])
+def test_training_in_blend_attention_sees_what_blend_mode_computes(make_engine, tok, arch, settings):
+    """A blend example recomputes the positions blend mode chooses for its prompt, and its logits are
+    blend mode's: the chosen rows attend over everything, the rest keep their block."""
+    engine = make_engine(arch)
+    config = BlendConfig(**settings)
+    example = encode(engine, QUESTION, PASSAGES, ANSWER, blend=config)
+    prompt, _ = engine.build_prompt(QUESTION, PASSAGES)
+    rows = ft.blend_rows(engine.model, example)
+    assert rows.tolist() == recomputed(engine, prompt, config).tolist()
+    assert 0 < len(rows) < example.passages[1] - example.passages[0]
+    question = slice(len(prompt) - len(prompt.question), len(prompt))
+    with torch.no_grad():
+        out = engine.model(input_ids=torch.tensor([example.ids]), position_ids=torch.arange(len(example.ids))[None],
+                           attention_mask=example.mask(recomputed=rows))
+    torch.testing.assert_close(out.logits[0][question], blend_logits(engine, prompt, **settings), rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(out.logits[0][question], question_logits(engine, prompt, "block"), rtol=1e-4, atol=1e-4)
+    with torch.no_grad():  # the loss scores that attention
+        expected = torch.nn.functional.cross_entropy(out.logits[0][question.stop - 1 : -1], torch.tensor(example.ids[question.stop :]))
+        torch.testing.assert_close(loss(engine.model, example), expected)
+    with pytest.raises(ValueError, match="check_layers"):
+        encode(engine, QUESTION, PASSAGES, ANSWER, blend=BlendConfig(check_layers=(2,)))
+
+
 def test_training_examples_draw_a_layout_each_and_keep_the_attention_draws(make_engine):
     engine = make_engine("llama")
     qa = [type("QA", (), {"question": QUESTION, "passages": PASSAGES, "target": ANSWER})()] * 12
@@ -83,6 +109,9 @@ def test_training_examples_draw_a_layout_each_and_keep_the_attention_draws(make_
     assert len(layouts) == 2 and {tuple(e.ids) for e in own} < layouts
     with pytest.raises(ValueError, match="unknown prompt layout"):
         ft.training_examples(engine, qa, layouts=["chatml"])
+    blended = ft.training_examples(engine, qa, full_attention_share=0.5, seed=3, blend_share=0.5)
+    assert [e.lengths for e in blended] == [e.lengths for e in own]  # the full-attention draws stay
+    assert {e.blend for e in blended if len(e.lengths) == 1} == {None} and engine.blend in {e.blend for e in blended}
 
 
 def test_loss_counts_only_the_answer(make_engine):

@@ -97,6 +97,18 @@ def test_the_answer_files_reproduce_block_against_full_with_the_adapter(monkeypa
         assert f"{diff.replace('-', '−')} ± {half}" in row.split(" | ")[6 if method == "block" else 7], (layout, method, row)
 
 
+def test_the_answer_file_reproduces_the_blend_settings_table(monkeypatch, capsys):
+    """The snippet in docs/layouts.md prints each method's cells of its blend-settings table."""
+    out = run_snippet("layouts.md", "blend-sweep-dev-gpu", monkeypatch, capsys).splitlines()
+    assert len(out) == 9  # full, block and seven blend settings
+    text = (ROOT / "docs" / "layouts.md").read_text(encoding="utf-8")
+    section = text[text.index("## Blend settings with the adapter"):].split("\n\n")[1:4]
+    rows = [" ".join(r.split()) for r in "\n".join(section).splitlines() if r.startswith("| ")]
+    for line in out:
+        cells = " ".join(line.split(" ", 1)[1].split())
+        assert any(row.endswith(" " + cells) for row in rows), line
+
+
 def test_setup_commands_are_the_two_that_ci_runs():
     text = README.read_text(encoding="utf-8")
     section = text.split("\n## Two commands\n", 1)[1].split("\n## ", 1)[0]

@@ -27,7 +27,8 @@ BENCH_LAYOUTS = ("kvrag", "langchain-rag-prompt", "rag-prompt-question-last", "l
 """kvrag.eval.layouts.NAMES: the prompt layouts `bench accuracy --prompts` can ask in."""
 LAYOUT_METHODS = ("full", "block", "blend")
 """What `bench accuracy` runs by default in other prompt layouts than kvrag's own."""
-TRAIN_DEFAULTS = {"steps": 170, "learning_rate": 5e-4, "accumulate": 4, "lora_r": 8, "save_every": 25, "distill": 0.0}
+TRAIN_DEFAULTS = {"steps": 170, "learning_rate": 5e-4, "accumulate": 4, "lora_r": 8, "save_every": 25, "distill": 0.0,
+                  "blend_share": 0.0}
 """kvrag.train.finetune.TrainConfig's defaults for the settings `finetune` exposes."""
 
 
@@ -370,7 +371,7 @@ def cmd_finetune(args):
     config = TrainConfig(steps=args.steps, learning_rate=args.lr, accumulate=args.accumulate, lora_r=args.lora_r,
                          lora_alpha=2 * args.lora_r, full=args.full, full_attention_share=args.full_attention_share,
                          save_every=args.save_every, seed=args.seed, init_seed=args.init_seed,
-                         init_adapter=args.init_adapter, distill=args.distill)
+                         init_adapter=args.init_adapter, distill=args.distill, blend_share=args.blend_share)
     if args.adapter == "auto":  # train from the published weights, not from the shipped adapter
         args.adapter = "none"
     if args.dtype == "auto":  # LoRA weights and their optimiser state train in float32, on a GPU too
@@ -381,7 +382,7 @@ def cmd_finetune(args):
     questions = with_short_contexts(questions, args.short_share, args.seed)
     layouts = _layouts(args.prompts)
     engine = _engine(args)
-    examples = training_examples(engine, questions, config.full_attention_share, config.seed, layouts)
+    examples = training_examples(engine, questions, config.full_attention_share, config.seed, layouts, config.blend_share)
     print(f"fine-tuning on {len(examples)} generated train questions x {args.passages} passages "
           f"({args.unanswerable_share:.0%} unanswerable), "
           f"{'every weight' if args.full else f'LoRA r={args.lora_r}'}, {args.steps} steps of {args.accumulate} examples")
@@ -546,6 +547,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--distill", type=float, default=TRAIN_DEFAULTS["distill"],
                    help="weight of a term pulling block mode's predictions toward full mode's (same model, same "
                         "passages) on the question and answer; 0: off")
+    p.add_argument("--blend-share", type=float, default=TRAIN_DEFAULTS["blend_share"],
+                   help="share of the block-attention examples trained in blend mode's attention (the 15%% of "
+                        "passage tokens blend recomputes see across passages), so that blend mode is tuned too")
     p.set_defaults(func=cmd_finetune)
 
     p = _command(sub, "bench", "benchmarks", model=False)

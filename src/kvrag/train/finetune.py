@@ -8,7 +8,10 @@ within itself only, the question and answer causal over everything, positions co
 block mode re-encodes each block to). That is exact because rotary attention depends on relative
 positions only: a block encoded alone and moved equals the block under this mask (invariant 1).
 The loss counts the answer tokens only. A share of the examples may use plain causal attention
-(Block-Attention trains on both), so that `full` mode keeps working.
+(Block-Attention trains on both), so that `full` mode keeps working, and a share blend mode's
+attention: the passage tokens blend would recompute see everything before them, the rest their own
+block only. That too is exact: a token blend leaves alone keeps its block KV on every layer past the
+first, and a recomputed one attends over that mix, as such a row of the mask does.
 
 Weights are adapted with LoRA (peft) so that the result is a few MB; `full=True` trains every
 weight instead. Checkpoints let a long CPU run stop and resume.
@@ -28,6 +31,7 @@ from tqdm.auto import tqdm
 from transformers import get_linear_schedule_with_warmup
 
 from kvrag import attention
+from kvrag.blend import BlendConfig, fresh_kv
 from kvrag.eval.layouts import LAYOUTS, OWN, check_layouts
 from kvrag.prompt import Prompt
 
@@ -53,17 +57,53 @@ class TrainingExample:
     ids: list[int]
     labels: list[int]
     lengths: list[int]  # one block of everything: plain causal attention
+    blend: BlendConfig | None = None  # trained in blend mode's attention (`blend_rows`)
+    passages: tuple[int, int] = (0, 0)  # where the tokens blend chooses among begin and end
 
-    def mask(self, dtype=torch.float32, device=None) -> torch.Tensor:
-        """Additive [1, 1, N, N]: each block causal within itself, the last block causal over everything."""
+    def mask(self, dtype=torch.float32, device=None, recomputed: torch.Tensor | None = None) -> torch.Tensor:
+        """Additive [1, 1, N, N]: each block causal within itself, the last block causal over everything,
+        and so are the `recomputed` positions (blend mode's)."""
         positions = torch.arange(len(self.ids), device=device)
-        return attention.mask(positions, len(self.ids), dtype, blocks=block_index(self.lengths, device))
+        mask = attention.mask(positions, len(self.ids), dtype, blocks=block_index(self.lengths, device))
+        if recomputed is not None and len(recomputed):
+            mask[0, 0, recomputed] = attention.mask(recomputed, len(self.ids), dtype)[0, 0]
+        return mask
+
+
+@torch.no_grad()
+def blend_rows(model, example: TrainingExample) -> torch.Tensor:
+    """The positions blend mode recomputes for the example's prompt (kvrag.blend): the passage tokens
+    whose layer-1 K or V deviates most between plain and block attention, and the block sinks, chosen
+    by the model as it stands (dropout off)."""
+    config, (first, end) = example.blend, example.passages
+    training = model.training
+    model.eval()
+    decoder, device, n = model.get_decoder(), model.device, len(example.ids)
+    positions = torch.arange(n, device=device)
+    hidden = decoder.embed_tokens(torch.tensor(example.ids, device=device))[None]
+    cos, sin = decoder.rotary_emb(hidden, positions[None])
+    plain, block = (
+        fresh_kv(decoder.layers[1], decoder.layers[0](hidden, attention_mask=mask, position_ids=positions[None],
+                                                      position_embeddings=(cos, sin)), cos, sin)
+        for mask in (attention.mask(positions, n, hidden.dtype), example.mask(hidden.dtype, device))
+    )
+    kind = 1 if config.deviation == "values" else 0
+    deviation = (plain[kind] - block[kind])[:, :, first:end].square().sum(dim=(0, 1, 3))
+    chosen = first + deviation.topk(config.kept(0, end - first)).indices
+    starts = torch.tensor([0, *example.lengths], device=device).cumsum(0)
+    starts = starts[(starts >= first) & (starts < end)]  # the blocks' own, not the prefix's or the question's
+    sinks = (starts[:, None] + torch.arange(config.sink_tokens, device=device)).flatten()
+    model.train(training)
+    return torch.cat([chosen, sinks[sinks < end]]).unique()
 
 
 def encode(engine, question: str, passages: Sequence[str], answer: str, *, full_attention: bool = False,
-           layout: str = OWN) -> TrainingExample:
+           layout: str = OWN, blend: BlendConfig | None = None) -> TrainingExample:
     """The prompt block mode would answer `question` from, asked in `layout` (kvrag.eval.layouts),
-    then `answer` and the end-of-turn token."""
+    then `answer` and the end-of-turn token; with `blend`, in blend mode's attention at those settings."""
+    if blend is not None and (full_attention or blend.check_layers != (1,)):
+        raise ValueError("blend training needs block attention and check_layers=(1,): a token blend leaves alone "
+                         f"keeps block KV only on the layers past the first check (got {blend.check_layers})")
     if engine.block_context != "none":
         raise ValueError(
             "block fine-tuning needs block_context='none': with 'prefix' a block is encoded at a canonical "
@@ -81,7 +121,7 @@ def encode(engine, question: str, passages: Sequence[str], answer: str, *, full_
         raise ValueError(f"a training example needs {len(ids)} tokens, more than the context window ({engine.context_window})")
     labels = [IGNORE] * len(prompt) + answer_ids
     lengths = [len(ids)] if full_attention else block_lengths(prompt, len(answer_ids))
-    return TrainingExample(ids, labels, lengths)
+    return TrainingExample(ids, labels, lengths, blend, (len(prompt.prefix), len(prompt) - len(prompt.question)))
 
 
 def with_unanswerable_share(qa_examples, share: float) -> list:
@@ -124,16 +164,22 @@ def with_short_contexts(qa_examples, share: float, seed: int = 0, most_distracto
 
 
 def training_examples(engine, qa_examples, full_attention_share: float = 0.0, seed: int = 0,
-                      layouts: Sequence[str] = (OWN,)) -> list[TrainingExample]:
+                      layouts: Sequence[str] = (OWN,), blend_share: float = 0.0) -> list[TrainingExample]:
     """Generated questions (kvrag.eval.data) as training examples whose answers are their short sentences;
-    a share of them, drawn by `seed`, with plain causal attention, each asked in one of `layouts`
-    (kvrag.eval.layouts) drawn from a generator of its own, so that the attention draws stay those of
-    a single-layout run."""
+    a share of them, drawn by `seed`, with plain causal attention, a share of the rest in blend mode's
+    attention (the engine's blend settings), each asked in one of `layouts` (kvrag.eval.layouts). The
+    layouts and blend draws come from generators of their own, so that the full-attention draws stay
+    those of a run without them."""
     check_layouts(layouts)
-    draw, pick = random.Random(seed), random.Random(f"kvrag-layouts:{seed}")
-    return [encode(engine, q.question, q.passages, q.target, full_attention=draw.random() < full_attention_share,
-                   layout=layouts[0] if len(layouts) == 1 else pick.choice(layouts))
-            for q in qa_examples]
+    draw, pick, blends = random.Random(seed), random.Random(f"kvrag-layouts:{seed}"), random.Random(f"kvrag-blend:{seed}")
+    examples = []
+    for q in qa_examples:
+        full = draw.random() < full_attention_share
+        blend = blends.random() < blend_share
+        examples.append(encode(engine, q.question, q.passages, q.target, full_attention=full,
+                               layout=layouts[0] if len(layouts) == 1 else pick.choice(layouts),
+                               blend=engine.blend if blend and not full else None))
+    return examples
 
 
 def loss(model, example: TrainingExample, distill: float = 0.0) -> torch.Tensor:
@@ -153,7 +199,8 @@ def loss(model, example: TrainingExample, distill: float = 0.0) -> torch.Tensor:
     first = next(i for i, label in enumerate(example.labels) if label != IGNORE)
     distilled = distill > 0 and len(example.lengths) > 1
     start = n - example.lengths[-1] if distilled else first - 1  # first position whose logits are needed
-    out = model(input_ids=ids, position_ids=positions, attention_mask=example.mask(model.dtype, device),
+    recomputed = blend_rows(model, example) if example.blend is not None else None
+    out = model(input_ids=ids, position_ids=positions, attention_mask=example.mask(model.dtype, device, recomputed),
                 logits_to_keep=n - start)
     logits = out.logits[0, :-1].float()  # positions start .. n-2, each predicting the token after it
     labels = torch.tensor(example.labels[first:], device=device)
@@ -197,6 +244,7 @@ class TrainConfig:
     init_seed: int | None = None
     init_adapter: str | None = None  # a saved LoRA adapter (same rank) to continue training from
     distill: float = 0.0  # weight of block mode's divergence from full mode's predictions (`loss`)
+    blend_share: float = 0.0  # share of the block-attention examples trained in blend mode's attention
 
 
 def _trainable(model, config: TrainConfig):
