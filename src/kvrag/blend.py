@@ -61,6 +61,10 @@ class BlendConfig:
         if self.sink_tokens < 0:
             raise ValueError(f"sink_tokens must be >= 0, got {self.sink_tokens}")
 
+    def compared(self, keys, values):
+        """Whichever of the two `deviation` measures."""
+        return values if self.deviation == "values" else keys
+
     def kept(self, check: int, candidates: int) -> int:
         """Tokens that survive the `check`-th check layer out of `candidates`."""
         last = len(self.check_layers) - 1
@@ -90,11 +94,7 @@ def prefill(model, workspace, ids: list[int], first: int, context: int, block_st
     decoder = model.get_decoder()
     device, n = workspace.keys.device, len(ids)
     candidates = context - first
-    sinks = torch.tensor(
-        sorted({p for start in block_starts for p in range(start, min(start + config.sink_tokens, context))}),
-        dtype=torch.long,
-        device=device,
-    )
+    sinks = sink_positions(block_starts, config.sink_tokens, context, device)
     active = torch.arange(n, device=device)
     hidden = decoder.embed_tokens(torch.tensor(ids, device=device))[None]
     cache = workspace.cache(n)
@@ -135,9 +135,20 @@ def _survivors(layer, index, hidden, cos, sin, active, workspace, first, context
     passage = (active >= first) & (active < context)
     if not passage.any():
         return (active >= context) | torch.isin(active, sinks)
-    keys, values = fresh_kv(layer, hidden[:, passage], cos[:, passage], sin[:, passage])
-    fresh, cached = (values, workspace.values) if config.deviation == "values" else (keys, workspace.keys)
-    deviation = (fresh - cached[index][:, :, active[passage]].to(fresh.dtype)).square().sum(dim=(0, 1, 3))
+    fresh = config.compared(*fresh_kv(layer, hidden[:, passage], cos[:, passage], sin[:, passage]))
+    cached = config.compared(workspace.keys, workspace.values)[index][:, :, active[passage]]
     kept = config.kept(config.check_layers.index(index), candidates)
-    chosen = active[passage][deviation.topk(min(kept, len(deviation))).indices]
+    chosen = active[passage][most_deviating(fresh, cached, kept)]
     return (active >= context) | torch.isin(active, chosen) | torch.isin(active, sinks)
+
+
+def most_deviating(fresh: torch.Tensor, cached: torch.Tensor, kept: int) -> torch.Tensor:
+    """Indices of the `kept` tokens whose fresh K or V [1, kv_heads, n, head_dim] lie farthest from the cached."""
+    distance = (fresh - cached.to(fresh.dtype)).square().sum(dim=(0, 1, 3))
+    return distance.topk(min(kept, len(distance))).indices
+
+
+def sink_positions(block_starts, sink_tokens: int, context: int, device=None) -> torch.Tensor:
+    """The first `sink_tokens` positions of every block (each block's own attention sink), before `context`."""
+    positions = {p for start in block_starts for p in range(start, min(start + sink_tokens, context))}
+    return torch.tensor(sorted(positions), dtype=torch.long, device=device)

@@ -17,6 +17,7 @@ Weights are adapted with LoRA (peft) so that the result is a few MB; `full=True`
 weight instead. Checkpoints let a long CPU run stop and resume.
 """
 
+import itertools
 import json
 import random
 import shutil
@@ -31,7 +32,7 @@ from tqdm.auto import tqdm
 from transformers import get_linear_schedule_with_warmup
 
 from kvrag import attention
-from kvrag.blend import BlendConfig, fresh_kv
+from kvrag.blend import BlendConfig, fresh_kv, most_deviating, sink_positions
 from kvrag.eval.layouts import LAYOUTS, OWN, check_layouts
 from kvrag.prompt import Prompt
 
@@ -87,14 +88,11 @@ def blend_rows(model, example: TrainingExample) -> torch.Tensor:
                                                       position_embeddings=(cos, sin)), cos, sin)
         for mask in (attention.mask(positions, n, hidden.dtype), example.mask(hidden.dtype, device))
     )
-    kind = 1 if config.deviation == "values" else 0
-    deviation = (plain[kind] - block[kind])[:, :, first:end].square().sum(dim=(0, 1, 3))
-    chosen = first + deviation.topk(config.kept(0, end - first)).indices
-    starts = torch.tensor([0, *example.lengths], device=device).cumsum(0)
-    starts = starts[(starts >= first) & (starts < end)]  # the blocks' own, not the prefix's or the question's
-    sinks = (starts[:, None] + torch.arange(config.sink_tokens, device=device)).flatten()
     model.train(training)
-    return torch.cat([chosen, sinks[sinks < end]]).unique()
+    fresh, cached = (config.compared(*kv)[:, :, first:end] for kv in (plain, block))
+    chosen = first + most_deviating(fresh, cached, config.kept(0, end - first))
+    starts = [s for s in itertools.accumulate(example.lengths, initial=0) if first <= s < end]  # the blocks' own
+    return torch.cat([chosen, sink_positions(starts, config.sink_tokens, end, device)]).unique()
 
 
 def encode(engine, question: str, passages: Sequence[str], answer: str, *, full_attention: bool = False,
