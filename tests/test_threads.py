@@ -86,7 +86,7 @@ def test_the_real_machine_can_be_read():
 
 
 HAND_OVER = """
-import os, threading, torch
+import os, threading, time, torch
 from kvrag import threads
 assert threads._pause_resources() is not None  # torch's wheel uses GNU OpenMP
 tasks = lambda: len(os.listdir("/proc/self/task"))
@@ -97,6 +97,9 @@ def run():
     torch.ones(1 << 22).exp_()  # large enough for a parallel region: the team's 2 other threads start
     counts.append(tasks())
     threads.hand_over()
+    ends = time.monotonic() + 10  # the team's threads are told to exit and do so on their own: give them a moment
+    while tasks() > counts[0] and time.monotonic() < ends:
+        time.sleep(0.01)
     counts.append(tasks())
 thread = threading.Thread(target=run)
 thread.start()
