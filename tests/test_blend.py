@@ -1,11 +1,13 @@
 """Blend mode (CacheBlend): DESIGN.md invariant 3 on tiny random-weight models of every supported
 family, the token selection against a brute-force reference, and blend's settings."""
 
+import copy
+
 import pytest
 import torch
 from conftest import ARCHS
 from test_invariants import question_logits, random_prompt
-from tiny import TOLERANCE, tiny_configs, tiny_model
+from tiny import TOLERANCE, block_mask, tiny_configs, tiny_model
 
 from kvrag import BlendConfig, KVEngine
 from kvrag.blend import prefill
@@ -79,6 +81,30 @@ def test_selection_takes_the_tokens_whose_kv_deviates_most_in_context(deep_engin
     assert got.tolist() == expected.tolist()
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "llama3-scaled"])
+def test_attention_selection_takes_what_the_question_reads_most(make_engine, tok, arch):
+    """select="attention": the chosen tokens are the top share of the attention the question pays each
+    passage token on the check layer (1) in block attention, as the model's own eager attention
+    computes it over the whole prompt with the block mask (renormalized over the context, summed over
+    the question's tokens and the heads)."""
+    engine, layer = make_engine(arch), 1
+    prompt = random_prompt(len(tok))
+    lengths = [len(prompt.prefix), *map(len, prompt.blocks), len(prompt.question)]
+    context, first = len(prompt) - len(prompt.question), len(prompt.prefix)
+    reference = copy.deepcopy(engine.model)  # the engine's own attention kernel returns no weights
+    reference.set_attn_implementation("eager")
+    with torch.no_grad():
+        weights = reference(torch.tensor([prompt.ids()]), attention_mask=block_mask(lengths),
+                               position_ids=torch.arange(len(prompt))[None], output_attentions=True).attentions[layer]
+    read = weights[0, :, context:, :context]
+    mass = (read / read.sum(-1, keepdim=True)).sum(dim=(0, 1))[first:]
+    expected = (mass.topk(round(0.3 * len(mass))).indices + first).sort().values
+    config = BlendConfig(recompute_ratio=0.3, check_layers=(layer,), select="attention")
+    got = recomputed(engine, prompt, config)
+    assert got.tolist() == expected.tolist()
+    assert got.tolist() != recomputed(engine, prompt, BlendConfig(recompute_ratio=0.3, check_layers=(layer,))).tolist()
+
+
 def test_gradual_filtering_and_block_sinks(deep_engine, tok):
     engine = deep_engine("qwen2")
     prompt = random_prompt(len(tok))
@@ -88,6 +114,7 @@ def test_gradual_filtering_and_block_sinks(deep_engine, tok):
     narrowed = recomputed(engine, prompt, BlendConfig(0.25, check_layers=(1, 2, 3), widen=3.0))
     assert len(narrowed) == round(0.25 * candidates) and narrowed.tolist() == sorted(set(narrowed.tolist()))
     assert all(first <= p < first + candidates for p in narrowed.tolist())
+    assert len(recomputed(engine, prompt, BlendConfig(0.25, check_layers=(1, 2, 3), widen=3.0, select="attention"))) == len(narrowed)
     with_sinks = recomputed(engine, prompt, BlendConfig(0.25, sink_tokens=2))
     sinks = {s + i for s in starts for i in range(2)}
     assert sinks <= set(with_sinks.tolist()) and len(with_sinks) <= round(0.25 * candidates) + len(sinks)
@@ -122,6 +149,7 @@ def test_blend_generation_reports_what_it_recomputed(make_engine, tok):
         (dict(deviation="queries"), "deviation"),
         (dict(widen=0.5), "widen"),
         (dict(sink_tokens=-1), "sink_tokens"),
+        (dict(select="queries"), "select"),
     ],
 )
 def test_bad_blend_settings_are_refused(settings, match):

@@ -97,6 +97,8 @@ def test_training_in_blend_attention_sees_what_blend_mode_computes(make_engine, 
         torch.testing.assert_close(loss(engine.model, example), expected)
     with pytest.raises(ValueError, match="check_layers"):
         encode(engine, QUESTION, PASSAGES, ANSWER, blend=BlendConfig(check_layers=(2,)))
+    with pytest.raises(ValueError, match="select='deviation'"):
+        encode(engine, QUESTION, PASSAGES, ANSWER, blend=BlendConfig(select="attention"))
 
 
 def test_training_examples_draw_a_layout_each_and_keep_the_attention_draws(make_engine):

@@ -53,14 +53,15 @@ def test_every_layout_answers_every_question_paired_with_full_in_the_same_layout
     assert table[0].startswith("| prompt | method | n |") and table[2].startswith(f"| {OWN} | full | 2 |")
 
 
-def test_a_rerun_resumes_by_layout_and_reads_files_written_before_layouts(engine, short, tmp_path, monkeypatch):
+def test_a_rerun_resumes_by_layout_and_reads_files_written_before_layouts_and_select(engine, short, tmp_path, monkeypatch):
     examples = short
     path = tmp_path / "r.jsonl"
     evaluate(engine, examples[:1], ["block"], max_new_tokens=2, results=path, progress=False)
     header, line = path.read_text().splitlines()
-    old = json.loads(line)
+    old, settings = json.loads(line), json.loads(header)
     del old["layout"]  # as written before there were layouts
-    path.write_text(header + "\n" + json.dumps(old) + "\n")
+    del settings["settings"]["blend"]["select"]  # and before blend mode could choose by attention
+    path.write_text(json.dumps(settings) + "\n" + json.dumps(old) + "\n")
     ran = []
     real = RUNNERS["block"]
     monkeypatch.setitem(RUNNERS, "block", lambda eng, ex, n, *layout: ran.append(layout) or real(eng, ex, n, *layout))

@@ -99,7 +99,7 @@ def test_the_answer_files_reproduce_block_against_full_with_the_adapter(monkeypa
 
 def test_the_answer_file_reproduces_the_blend_settings_table(monkeypatch, capsys):
     """The snippet in docs/layouts.md prints each method's cells of its blend-settings table."""
-    out = run_snippet("layouts.md", "blend-sweep-dev-gpu", monkeypatch, capsys).splitlines()
+    out = run_snippet("layouts.md", "def accuracy(method", monkeypatch, capsys).splitlines()
     assert len(out) == 9  # full, block and seven blend settings
     text = (ROOT / "docs" / "layouts.md").read_text(encoding="utf-8")
     section = text[text.index("## Blend settings with the adapter"):].split("\n\n")[1:4]
@@ -107,6 +107,20 @@ def test_the_answer_file_reproduces_the_blend_settings_table(monkeypatch, capsys
     for line in out:
         cells = " ".join(line.split(" ", 1)[1].split())
         assert any(row.endswith(" " + cells) for row in rows), line
+
+
+def test_the_answer_files_reproduce_where_blend_loses(monkeypatch, capsys):
+    """The snippet in docs/layouts.md prints the rows of the attention-selection tables and the
+    sweep's agreement counts that the section's text gives."""
+    out = run_snippet("layouts.md", "blend-attention-dev", monkeypatch, capsys).splitlines()
+    text = (ROOT / "docs" / "layouts.md").read_text(encoding="utf-8")
+    section = text[text.index("## Where blend loses"):text.index("## What is left")]
+    tables = [line for line in out if line.startswith("| ")]
+    assert len(tables) == 8 and all(line in section for line in tables)
+    block, blend = (line.split() for line in out if not line.startswith("| "))
+    words = " ".join(section.split())
+    assert f"{blend[1]} of {blend[3]} against {block[1]}" in words
+    assert f"right {blend[6]} times of {blend[8]}, block mode {block[6]} of {block[8]}" in words
 
 
 def test_setup_commands_are_the_two_that_ci_runs():

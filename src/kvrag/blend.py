@@ -8,8 +8,9 @@ the difference, and that a token's deviation on an early layer predicts it on la
 One pass over the layers, starting from block mode's assembled cache. Every token is computed on
 layer 0, whose KV depends on the token alone (so its fresh KV is the cached KV, up to rounding)
 and whose output every later choice needs. On each check layer the passage tokens still being
-computed are compared with their cached K or V and only the most deviating share goes on; the
-question always does. A computed token writes its fresh K/V over the cached ones
+computed are compared with their cached K or V and only the most deviating share goes on (or, with
+`select="attention"`, the share the question attends to most over the cached KV); the question
+always does. A computed token writes its fresh K/V over the cached ones
 (the cache layers' `slots`) and attends over the blended cache with an explicit causal mask. On
 the last layer the passage tokens only write their K/V: nothing reads their output.
 Recompute ratio 1 recomputes every token, which is `full`; ratio 0 only the question, which is
@@ -39,6 +40,9 @@ class BlendConfig:
                      later ones narrow it linearly to `recompute_ratio` (CacheBlend's gradual filtering).
     sink_tokens      the first tokens of every block are recomputed as well (each block's own
                      attention sink, after EPIC), on top of the ratio.
+    select           "deviation" (CacheBlend: the tokens whose K or V changes most in context) or
+                     "attention" (the tokens the question attends to most over the cached KV, on the
+                     check layer: those whose KV the answer reads).
     """
 
     recompute_ratio: float = 0.15
@@ -46,6 +50,7 @@ class BlendConfig:
     deviation: Literal["keys", "values"] = "keys"
     widen: float = 2.0
     sink_tokens: int = 0
+    select: Literal["deviation", "attention"] = "deviation"
 
     def __post_init__(self):
         if not 0.0 <= self.recompute_ratio <= 1.0:
@@ -60,6 +65,8 @@ class BlendConfig:
             raise ValueError(f"widen must be at least 1, got {self.widen}")
         if self.sink_tokens < 0:
             raise ValueError(f"sink_tokens must be >= 0, got {self.sink_tokens}")
+        if self.select not in ("deviation", "attention"):
+            raise ValueError(f"select must be 'deviation' or 'attention', got {self.select!r}")
 
     def compared(self, keys, values):
         """Whichever of the two `deviation` measures."""
@@ -70,6 +77,10 @@ class BlendConfig:
         last = len(self.check_layers) - 1
         share = self.recompute_ratio * (self.widen - (self.widen - 1) * check / last if last else 1.0)
         return min(candidates, round(min(share, 1.0) * candidates))
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return x * cos[:, None] + rotate_half(x) * sin[:, None]
 
 
 def fresh_kv(layer, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -83,7 +94,21 @@ def fresh_kv(layer, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) 
         keys = attn.k_norm(keys)
     keys = keys.transpose(1, 2)
     values = attn.v_proj(x).view(shape).transpose(1, 2)
-    return keys * cos[:, None] + rotate_half(keys) * sin[:, None], values
+    return _rotate(keys, cos, sin), values
+
+
+def question_attention(layer, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """How much attention the tokens `hidden` (the question) pay each of `keys` [1, kv_heads, n, head_dim]
+    on `layer`, summed over them and the heads; softmax over `keys` alone."""
+    attn = layer.self_attn
+    x = layer.input_layernorm(hidden)
+    queries = attn.q_proj(x).view(*x.shape[:-1], -1, attn.head_dim)
+    if hasattr(attn, "q_norm"):
+        queries = attn.q_norm(queries)
+    queries = _rotate(queries.transpose(1, 2), cos, sin)
+    keys = keys.to(queries.dtype).repeat_interleave(queries.shape[1] // keys.shape[1], dim=1)
+    weights = torch.softmax(queries @ keys.transpose(-1, -2) * getattr(attn, "scaling", attn.head_dim**-0.5), dim=-1)
+    return weights.sum(dim=(0, 1, 2))
 
 
 @torch.inference_mode()
@@ -131,15 +156,21 @@ def prefill(model, workspace, ids: list[int], first: int, context: int, block_st
 
 def _survivors(layer, index, hidden, cos, sin, active, workspace, first, context, sinks, candidates, config) -> torch.Tensor:
     """Which active tokens go on past check layer `index`: the question, the block sinks, and the
-    passage tokens whose fresh K or V deviates most from the cached ones."""
-    passage = (active >= first) & (active < context)
+    passage tokens whose fresh K or V deviates most from the cached ones (or that the question
+    attends to most)."""
+    passage, question = (active >= first) & (active < context), active >= context
     if not passage.any():
-        return (active >= context) | torch.isin(active, sinks)
-    fresh = config.compared(*fresh_kv(layer, hidden[:, passage], cos[:, passage], sin[:, passage]))
-    cached = config.compared(workspace.keys, workspace.values)[index][:, :, active[passage]]
+        return question | torch.isin(active, sinks)
     kept = config.kept(config.check_layers.index(index), candidates)
-    chosen = active[passage][most_deviating(fresh, cached, kept)]
-    return (active >= context) | torch.isin(active, chosen) | torch.isin(active, sinks)
+    if config.select == "attention":
+        mass = question_attention(layer, hidden[:, question], cos[:, question], sin[:, question],
+                                  workspace.keys[index][:, :, :context])
+        chosen = active[passage][mass[active[passage]].topk(min(kept, int(passage.sum()))).indices]
+    else:
+        fresh = config.compared(*fresh_kv(layer, hidden[:, passage], cos[:, passage], sin[:, passage]))
+        cached = config.compared(workspace.keys, workspace.values)[index][:, :, active[passage]]
+        chosen = active[passage][most_deviating(fresh, cached, kept)]
+    return question | torch.isin(active, chosen) | torch.isin(active, sinks)
 
 
 def most_deviating(fresh: torch.Tensor, cached: torch.Tensor, kept: int) -> torch.Tensor:
