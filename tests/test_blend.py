@@ -77,7 +77,7 @@ def test_selection_takes_the_tokens_whose_kv_deviates_most_in_context(deep_engin
     fresh = in_context.values if deviation == "values" else in_context.keys
     distance = (fresh - cached).square().sum(dim=(0, 1, 3))[first:]
     expected = (distance.topk(round(0.3 * len(distance))).indices + first).sort().values
-    got = recomputed(engine, prompt, BlendConfig(recompute_ratio=0.3, check_layers=(2,), deviation=deviation))
+    got = recomputed(engine, prompt, BlendConfig(recompute_ratio=0.3, check_layers=(2,), deviation=deviation, select="deviation"))
     assert got.tolist() == expected.tolist()
 
 
@@ -102,7 +102,7 @@ def test_attention_selection_takes_what_the_question_reads_most(make_engine, tok
     config = BlendConfig(recompute_ratio=0.3, check_layers=(layer,), select="attention")
     got = recomputed(engine, prompt, config)
     assert got.tolist() == expected.tolist()
-    assert got.tolist() != recomputed(engine, prompt, BlendConfig(recompute_ratio=0.3, check_layers=(layer,))).tolist()
+    assert got.tolist() != recomputed(engine, prompt, BlendConfig(recompute_ratio=0.3, check_layers=(layer,), select="deviation")).tolist()
 
 
 def test_gradual_filtering_and_block_sinks(deep_engine, tok):

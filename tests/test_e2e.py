@@ -98,7 +98,7 @@ def test_blend_moves_the_answer_logits_towards_full(default_engine):
     questions = [item["question"] for item in json.loads((sample / "questions.json").read_text())[:3]]
 
     def last_logits(question, mode):
-        state = engine.prefill(engine.build_prompt(question, passages)[0], mode, blend=BlendConfig(0.15))
+        state = engine.prefill(engine.build_prompt(question, passages)[0], mode, blend=BlendConfig(0.15, select="deviation"))
         try:
             return state.logits[-1].log_softmax(-1)
         finally:

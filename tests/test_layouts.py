@@ -6,6 +6,7 @@ from dataclasses import replace
 
 import pytest
 
+from kvrag import KVRagError
 from kvrag.eval.accuracy import RUNNERS, against_full, check_methods, evaluate, format_against_full, format_table, summarize
 from kvrag.eval.layouts import LAYOUTS, NAMES, OWN
 
@@ -60,7 +61,11 @@ def test_a_rerun_resumes_by_layout_and_reads_files_written_before_layouts_and_se
     header, line = path.read_text().splitlines()
     old, settings = json.loads(line), json.loads(header)
     del old["layout"]  # as written before there were layouts
-    del settings["settings"]["blend"]["select"]  # and before blend mode could choose by attention
+    del settings["settings"]["blend"]["select"]  # and before blend mode chose by attention: it chose by deviation
+    path.write_text(json.dumps(settings) + "\n" + json.dumps(old) + "\n")
+    with pytest.raises(KVRagError, match="differs in: blend"):
+        evaluate(engine, examples[:1], ["block"], max_new_tokens=2, results=path, progress=False)
+    settings["settings"]["blend"]["select"] = "attention"
     path.write_text(json.dumps(settings) + "\n" + json.dumps(old) + "\n")
     ran = []
     real = RUNNERS["block"]

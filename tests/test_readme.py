@@ -116,7 +116,7 @@ def test_the_answer_files_reproduce_where_blend_loses(monkeypatch, capsys):
     text = (ROOT / "docs" / "layouts.md").read_text(encoding="utf-8")
     section = text[text.index("## Where blend loses"):text.index("## What is left")]
     tables = [line for line in out if line.startswith("| ")]
-    assert len(tables) == 8 and all(line in section for line in tables)
+    assert len(tables) == 11 and all(line in section for line in tables)
     block, blend = (line.split() for line in out if not line.startswith("| "))
     words = " ".join(section.split())
     assert f"{blend[1]} of {blend[3]} against {block[1]}" in words

@@ -50,7 +50,7 @@ class BlendConfig:
     deviation: Literal["keys", "values"] = "keys"
     widen: float = 2.0
     sink_tokens: int = 0
-    select: Literal["deviation", "attention"] = "deviation"
+    select: Literal["deviation", "attention"] = "attention"
 
     def __post_init__(self):
         if not 0.0 <= self.recompute_ratio <= 1.0:

@@ -27,7 +27,7 @@ from .ttft import flops_blend, flops_to_first_token, layer_flops
 
 METHODS = ("full", "map_reduce", "map_rerank", "block", "blend", "composite")
 """What `evaluate` runs by default; `EXTRA_METHODS` can be asked for by name."""
-EXTRA_METHODS = ("prefix", "blend_values", "blend_attention")
+EXTRA_METHODS = ("prefix", "blend_values", "blend_deviation")
 
 
 @dataclass
@@ -107,12 +107,12 @@ RUNNERS: dict[str, Callable] = {
     "blend": _mode("blend"),
     "composite": _mode("composite"),
     "prefix": _mode("prefix"),
-    "blend_values": _mode("blend", BlendConfig(deviation="values")),
-    "blend_attention": _mode("blend", BlendConfig(select="attention")),
+    "blend_values": _mode("blend", BlendConfig(select="deviation", deviation="values")),
+    "blend_deviation": _mode("blend", BlendConfig(select="deviation")),
 }
 
 
-MODE_METHODS = ("full", "block", "blend", "composite", "prefix", "blend_values", "blend_attention")
+MODE_METHODS = ("full", "block", "blend", "composite", "prefix", "blend_values", "blend_deviation")
 """The methods that answer from one prompt, so that any prompt layout applies; the chains write their own."""
 
 
@@ -146,8 +146,8 @@ def _load(path: Path, settings: dict) -> dict[tuple[str, str, str], Record]:
         found = json.loads(lines[0])["settings"]
     except (ValueError, KeyError, TypeError) as exc:
         raise KVRagError(f"{path} is not a kvrag results file (its first line holds no settings)") from exc
-    if isinstance(found.get("blend"), dict):  # written before a blend setting existed: it had the default
-        found["blend"] = {**json.loads(json.dumps(asdict(BlendConfig()))), **found["blend"]}
+    if isinstance(found.get("blend"), dict):  # written before blend mode could choose by attention
+        found["blend"].setdefault("select", "deviation")
     if found != settings:
         differ = sorted(k for k in settings.keys() | found.keys() if settings.get(k) != found.get(k))
         raise KVRagError(f"{path} holds results of another set-up (differs in: {', '.join(differ)}); use another results file")

@@ -99,10 +99,11 @@ def encode(engine, question: str, passages: Sequence[str], answer: str, *, full_
            layout: str = OWN, blend: BlendConfig | None = None) -> TrainingExample:
     """The prompt block mode would answer `question` from, asked in `layout` (kvrag.eval.layouts),
     then `answer` and the end-of-turn token; with `blend`, in blend mode's attention at those settings."""
-    if blend is not None and (full_attention or blend.check_layers != (1,) or blend.select != "deviation"):
-        raise ValueError("blend training needs block attention, check_layers=(1,) and select='deviation': a token "
-                         "blend leaves alone keeps block KV only on the layers past the first check "
-                         f"(got {blend.check_layers}, {blend.select!r})")
+    if blend is not None and (full_attention or blend.check_layers != (1,)):
+        raise ValueError("blend training needs block attention and check_layers=(1,): a token blend leaves alone "
+                         f"keeps block KV only on the layers past the first check (got {blend.check_layers})")
+    if blend is not None and blend.select != "deviation":
+        raise ValueError(f"blend training chooses the recomputed tokens as select='deviation' does (got {blend.select!r})")
     if engine.block_context != "none":
         raise ValueError(
             "block fine-tuning needs block_context='none': with 'prefix' a block is encoded at a canonical "
@@ -177,7 +178,7 @@ def training_examples(engine, qa_examples, full_attention_share: float = 0.0, se
         blend = blends.random() < blend_share
         examples.append(encode(engine, q.question, q.passages, q.target, full_attention=full,
                                layout=layouts[0] if len(layouts) == 1 else pick.choice(layouts),
-                               blend=engine.blend if blend and not full else None))
+                               blend=replace(engine.blend, select="deviation") if blend and not full else None))
     return examples
 
 
