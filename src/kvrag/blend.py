@@ -1,18 +1,18 @@
-"""CacheBlend: keep the cached KV of almost every passage token, recompute the few whose KV
-deviates most from what it would be in context, and so restore most cross-passage attention.
+"""After CacheBlend: keep the cached KV of almost every passage token, recompute a few in context,
+and so restore the cross-passage attention that matters most.
 
 Block mode's passages never attended to each other. Recomputing every token (`full`) restores
 that at the full prefill cost; CacheBlend observes that a small share of tokens carries most of
 the difference, and that a token's deviation on an early layer predicts it on later ones.
 
 One pass over the layers, starting from block mode's assembled cache. Every token is computed on
-layer 0, whose KV depends on the token alone (so its fresh KV is the cached KV, up to rounding)
-and whose output every later choice needs. On each check layer the passage tokens still being
-computed are compared with their cached K or V and only the most deviating share goes on (or, with
-`select="attention"`, the share the question attends to most over the cached KV); the question
-always does. A computed token writes its fresh K/V over the cached ones
-(the cache layers' `slots`) and attends over the blended cache with an explicit causal mask. On
-the last layer the passage tokens only write their K/V: nothing reads their output.
+layer 0, whose KV depends on the token alone (so its fresh KV is the cached KV, up to rounding) and
+whose output every later choice needs. On each check layer only a share of the passage tokens still
+being computed goes on: those the question attends to most over the cached KV (the default,
+`select="attention"`), or those whose fresh K or V deviates most from the cached ones (CacheBlend's
+choice, `select="deviation"`); the question always does. A computed token writes its fresh K/V over
+the cached ones (the cache layers' `slots`) and attends over the blended cache with an explicit
+causal mask. On the last layer the passage tokens only write their K/V: nothing reads their output.
 Recompute ratio 1 recomputes every token, which is `full`; ratio 0 only the question, which is
 `block` (when the first check layer is 0 or 1). Positions are block mode's re-encoded ones.
 """
