@@ -1,7 +1,6 @@
 """Block fine-tuning on tiny random models: the training attention is block mode's, a step lowers the
 loss, a stopped run resumes to the same weights, and an adapter changes the fingerprint."""
 
-from dataclasses import replace
 import json
 
 import pytest
@@ -75,13 +74,16 @@ def test_training_in_an_apps_layout_sees_what_block_mode_computes_on_that_prompt
                                rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("arch, settings", [("llama", {}), ("qwen3", {"recompute_ratio": 0.3, "deviation": "values"}),
-                                             ("llama", {"sink_tokens": 2})])
+@pytest.mark.parametrize("arch, settings", [
+    ("llama", {}), ("qwen3", {"recompute_ratio": 0.3}), ("llama", {"select": "deviation"}),
+    ("qwen3", {"recompute_ratio": 0.3, "deviation": "values", "select": "deviation"}),
+    ("llama", {"sink_tokens": 2, "select": "deviation"})])
 def test_training_in_blend_attention_sees_what_blend_mode_computes(make_engine, tok, arch, settings):
-    """A blend example recomputes the positions blend mode chooses for its prompt, and its logits are
-    blend mode's: the chosen rows attend over everything, the rest keep their block."""
+    """A blend example recomputes the positions blend mode chooses for its prompt (by the question's
+    attention or by deviation), and its logits are blend mode's: the chosen rows attend over
+    everything, the rest keep their block."""
     engine = make_engine(arch)
-    config = BlendConfig(**settings, select="deviation")
+    config = BlendConfig(**settings)
     example = encode(engine, QUESTION, PASSAGES, ANSWER, blend=config)
     prompt, _ = engine.build_prompt(QUESTION, PASSAGES)
     rows = ft.blend_rows(engine.model, example)
@@ -91,15 +93,13 @@ def test_training_in_blend_attention_sees_what_blend_mode_computes(make_engine, 
     with torch.no_grad():
         out = engine.model(input_ids=torch.tensor([example.ids]), position_ids=torch.arange(len(example.ids))[None],
                            attention_mask=example.mask(recomputed=rows))
-    torch.testing.assert_close(out.logits[0][question], blend_logits(engine, prompt, **settings, select="deviation"), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(out.logits[0][question], blend_logits(engine, prompt, **settings), rtol=1e-4, atol=1e-4)
     assert not torch.allclose(out.logits[0][question], question_logits(engine, prompt, "block"), rtol=1e-4, atol=1e-4)
     with torch.no_grad():  # the loss scores that attention
         expected = torch.nn.functional.cross_entropy(out.logits[0][question.stop - 1 : -1], torch.tensor(example.ids[question.stop :]))
         torch.testing.assert_close(loss(engine.model, example), expected)
     with pytest.raises(ValueError, match="check_layers"):
         encode(engine, QUESTION, PASSAGES, ANSWER, blend=BlendConfig(check_layers=(2,)))
-    with pytest.raises(ValueError, match="select='deviation'"):
-        encode(engine, QUESTION, PASSAGES, ANSWER, blend=BlendConfig(select="attention"))
 
 
 def test_training_examples_draw_a_layout_each_and_keep_the_attention_draws(make_engine):
@@ -114,7 +114,7 @@ def test_training_examples_draw_a_layout_each_and_keep_the_attention_draws(make_
         ft.training_examples(engine, qa, layouts=["chatml"])
     blended = ft.training_examples(engine, qa, full_attention_share=0.5, seed=3, blend_share=0.5)
     assert [e.lengths for e in blended] == [e.lengths for e in own]  # the full-attention draws stay
-    assert {e.blend for e in blended if len(e.lengths) == 1} == {None} and replace(engine.blend, select="deviation") in {e.blend for e in blended}
+    assert {e.blend for e in blended if len(e.lengths) == 1} == {None} and engine.blend in {e.blend for e in blended}
 
 
 def test_loss_counts_only_the_answer(make_engine):
@@ -354,7 +354,8 @@ def test_finetune_command_on_the_default_model(kvrag_home, tmp_path, capsys):
 
     out = tmp_path / "run"
     argv = ["finetune", str(out), "--questions", "4", "--passages", "5", "--steps", "2", "--accumulate", "1",
-            "--save-every", "1", "--prose", "0.5", "--prompts", "langchain-rag-prompt,llamaindex-chat-qa"]
+            "--save-every", "1", "--prose", "0.5", "--prompts", "langchain-rag-prompt,llamaindex-chat-qa",
+            "--blend-share", "0.5", "--blend-select", "deviation"]
     assert main(argv) == 0
     assert "saved" in capsys.readouterr().out
     record = json.loads((out / "training.json").read_text())
@@ -363,6 +364,7 @@ def test_finetune_command_on_the_default_model(kvrag_home, tmp_path, capsys):
                                           "prose": 0.5}
     assert record["about"]["unanswerable_share"] == 0.05
     assert record["about"]["layouts"] == ["langchain-rag-prompt", "llamaindex-chat-qa"]
+    assert record["about"]["blend_select"] == "deviation" and record["config"]["blend_share"] == 0.5
     tuned = KVEngine.from_pretrained(adapter=out / "adapter")
     assert tuned.fingerprint != KVEngine.shared().fingerprint
     assert tuned.generate("Where is Dranvi?", ["Dranvi lies in Brasdra."], max_new_tokens=4).generated_tokens > 0

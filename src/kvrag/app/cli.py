@@ -365,6 +365,7 @@ def cmd_bench_accuracy(args):
 
 
 def cmd_finetune(args):
+    from kvrag import BlendConfig
     from kvrag.eval import data
     from kvrag.train.finetune import TrainConfig, train, training_examples, with_short_contexts, with_unanswerable_share
 
@@ -381,7 +382,7 @@ def cmd_finetune(args):
     questions = with_unanswerable_share(data.generate(**dataset), args.unanswerable_share)
     questions = with_short_contexts(questions, args.short_share, args.seed)
     layouts = _layouts(args.prompts)
-    engine = _engine(args)
+    engine = _engine(args, blend=BlendConfig(select=args.blend_select))
     examples = training_examples(engine, questions, config.full_attention_share, config.seed, layouts, config.blend_share)
     print(f"fine-tuning on {len(examples)} generated train questions x {args.passages} passages "
           f"({args.unanswerable_share:.0%} unanswerable), "
@@ -391,6 +392,8 @@ def cmd_finetune(args):
         about["short_share"] = args.short_share
     if layouts != ["kvrag"]:
         about["layouts"] = layouts
+    if args.blend_share:
+        about["blend_select"] = args.blend_select
     final = train(engine, examples, args.out, config, about=about, scale=args.adapter_scale)
     print(f"saved {final}; use it with KVEngine.from_pretrained(..., adapter={str(final)!r})")
 
@@ -486,7 +489,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("question", help="the question to answer")
     p.add_argument("--mode", choices=MODES, default="block",
                    help="how passages are used: block reuses their cached KV, full prefills everything, blend "
-                        "reuses it and recomputes the most deviating tokens, prefix reuses only an exact "
+                        "reuses it and recomputes the passage tokens the question reads most, prefix reuses only an exact "
                         "leading run, composite keeps encode positions")
     p.add_argument("--top-k", type=int, default=4, help="passages retrieved for the question")
     p.add_argument("--max-new-tokens", type=int, default=128, help="longest answer in tokens")
@@ -550,6 +553,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--blend-share", type=float, default=TRAIN_DEFAULTS["blend_share"],
                    help="share of the block-attention examples trained in blend mode's attention (the 15%% of "
                         "passage tokens blend recomputes see across passages), so that blend mode is tuned too")
+    p.add_argument("--blend-select", choices=("attention", "deviation"), default="attention",
+                   help="how those examples choose the tokens blend recomputes: as the engine does by default "
+                        "(the question's attention) or CacheBlend's deviation (BlendConfig.select)")
     p.set_defaults(func=cmd_finetune)
 
     p = _command(sub, "bench", "benchmarks", model=False)

@@ -32,7 +32,7 @@ from tqdm.auto import tqdm
 from transformers import get_linear_schedule_with_warmup
 
 from kvrag import attention
-from kvrag.blend import BlendConfig, fresh_kv, most_deviating, sink_positions
+from kvrag.blend import BlendConfig, fresh_kv, most_deviating, question_attention, sink_positions
 from kvrag.eval.layouts import LAYOUTS, OWN, check_layouts
 from kvrag.prompt import Prompt
 
@@ -73,9 +73,10 @@ class TrainingExample:
 
 @torch.no_grad()
 def blend_rows(model, example: TrainingExample) -> torch.Tensor:
-    """The positions blend mode recomputes for the example's prompt (kvrag.blend): the passage tokens
-    whose layer-1 K or V deviates most between plain and block attention, and the block sinks, chosen
-    by the model as it stands (dropout off)."""
+    """The positions blend mode recomputes for the example's prompt (kvrag.blend), chosen on layer 1 by
+    the model as it stands (dropout off): the passage tokens the question attends to most over their
+    block-attention keys, or those whose K or V deviates most between plain and block attention; and
+    the block sinks."""
     config, (first, end) = example.blend, example.passages
     training = model.training
     model.eval()
@@ -83,14 +84,20 @@ def blend_rows(model, example: TrainingExample) -> torch.Tensor:
     positions = torch.arange(n, device=device)
     hidden = decoder.embed_tokens(torch.tensor(example.ids, device=device))[None]
     cos, sin = decoder.rotary_emb(hidden, positions[None])
-    plain, block = (
-        fresh_kv(decoder.layers[1], decoder.layers[0](hidden, attention_mask=mask, position_ids=positions[None],
-                                                      position_embeddings=(cos, sin)), cos, sin)
-        for mask in (attention.mask(positions, n, hidden.dtype), example.mask(hidden.dtype, device))
-    )
+    layer0 = lambda mask: decoder.layers[0](hidden, attention_mask=mask, position_ids=positions[None],  # noqa: E731
+                                            position_embeddings=(cos, sin))
+    blocked = layer0(example.mask(hidden.dtype, device))  # what block mode cached, and the question's own input
+    kept = config.kept(0, end - first)
+    if config.select == "attention":
+        question = slice(end, next(i for i, label in enumerate(example.labels) if label != IGNORE))
+        keys, _ = fresh_kv(decoder.layers[1], blocked[:, :end], cos[:, :end], sin[:, :end])
+        mass = question_attention(decoder.layers[1], blocked[:, question], cos[:, question], sin[:, question], keys)
+        chosen = first + mass[first:end].topk(kept).indices
+    else:
+        plain = layer0(attention.mask(positions, n, hidden.dtype))
+        fresh, cached = (config.compared(*fresh_kv(decoder.layers[1], h, cos, sin))[:, :, first:end] for h in (plain, blocked))
+        chosen = first + most_deviating(fresh, cached, kept)
     model.train(training)
-    fresh, cached = (config.compared(*kv)[:, :, first:end] for kv in (plain, block))
-    chosen = first + most_deviating(fresh, cached, config.kept(0, end - first))
     starts = [s for s in itertools.accumulate(example.lengths, initial=0) if first <= s < end]  # the blocks' own
     return torch.cat([chosen, sink_positions(starts, config.sink_tokens, end, device)]).unique()
 
@@ -102,8 +109,6 @@ def encode(engine, question: str, passages: Sequence[str], answer: str, *, full_
     if blend is not None and (full_attention or blend.check_layers != (1,)):
         raise ValueError("blend training needs block attention and check_layers=(1,): a token blend leaves alone "
                          f"keeps block KV only on the layers past the first check (got {blend.check_layers})")
-    if blend is not None and blend.select != "deviation":
-        raise ValueError(f"blend training chooses the recomputed tokens as select='deviation' does (got {blend.select!r})")
     if engine.block_context != "none":
         raise ValueError(
             "block fine-tuning needs block_context='none': with 'prefix' a block is encoded at a canonical "
@@ -178,7 +183,7 @@ def training_examples(engine, qa_examples, full_attention_share: float = 0.0, se
         blend = blends.random() < blend_share
         examples.append(encode(engine, q.question, q.passages, q.target, full_attention=full,
                                layout=layouts[0] if len(layouts) == 1 else pick.choice(layouts),
-                               blend=replace(engine.blend, select="deviation") if blend and not full else None))
+                               blend=engine.blend if blend and not full else None))
     return examples
 
 
