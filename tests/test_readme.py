@@ -87,7 +87,7 @@ def test_the_results_file_reproduces_the_accuracy_tables(monkeypatch, capsys):
 def test_the_answer_files_reproduce_block_against_full_with_the_adapter(monkeypatch, capsys):
     """The snippet in docs/layouts.md prints the intervals of its table of block and blend against full
     mode with the adapter too, from the answer files in docs/results."""
-    out = run_snippet("layouts.md", "layouts-test-fulladapter", monkeypatch, capsys)
+    out = run_snippet("layouts.md", "answers(\"layouts-test-fulladapter\", world)", monkeypatch, capsys)
     gaps = re.findall(r"^(?:\[([\w-]+)\] )?(block|blend) - full: ([+-]\d+\.\d) ± (\d+\.\d) points", out, re.M)
     assert len(gaps) == 16  # block and blend in each of the 8 layouts
     text = (ROOT / "docs" / "layouts.md").read_text(encoding="utf-8")
@@ -121,6 +121,22 @@ def test_the_answer_files_reproduce_where_blend_loses(monkeypatch, capsys):
     words = " ".join(section.split())
     assert f"{blend[1]} of {blend[3]} against {block[1]}" in words
     assert f"right {blend[6]} times of {blend[8]}, block mode {block[6]} of {block[8]}" in words
+
+
+def test_the_answer_files_reproduce_the_readme_accuracy_table(monkeypatch, capsys):
+    """The snippet in docs/layouts.md prints the README's accuracy table (blend: the default), the
+    section's per-layout table and the pooled intervals that the README and the section give."""
+    out = run_snippet("layouts.md", "blend-attention-test-rest", monkeypatch, capsys).splitlines()
+    readme = " ".join(README.read_text(encoding="utf-8").split())
+    text = (ROOT / "docs" / "layouts.md").read_text(encoding="utf-8")
+    section = text[text.index("### The README's blend column with the default"):text.index("## What is left")]
+    rows = [line for line in out if line.startswith("| ")]
+    assert len(rows) == 16
+    assert all(row in readme for row in rows[:8]) and all(row in section for row in rows[8:])
+    pooled = dict(line.rsplit(": ", 1) for line in out if not line.startswith("| "))
+    words = " ".join(section.split())
+    assert f"blend −{pooled['blend − full (adapter)'][1:]} (" in readme and f"(blend {pooled['question first, blend'][1:]})" in readme
+    assert f"+{pooled['blend − deviation'][1:]} over deviation" in words and f"block mode by {pooled['blend − block'][1:]}" in words
 
 
 def test_setup_commands_are_the_two_that_ci_runs():

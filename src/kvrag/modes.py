@@ -7,8 +7,8 @@ in what is reused:
   composite  cached blocks keep the positions they were encoded at (TurboRAG "composite")
   prefix     prefix caching: reuse the longest run of leading blocks whose exact causal KV was
              computed before in the same order, prefill the rest
-  blend      block mode plus CacheBlend: recompute the passage tokens whose KV deviates most
-             with the question, restoring cross-passage attention (see blend.py)
+  blend      block mode plus CacheBlend: recompute, with the question, the passage tokens it reads
+             most, restoring cross-passage attention (see blend.py)
 
 Each takes the `Blocks` of the weights it runs on (the causal modes, full and prefix, run on the
 published weights when an adapter serves the block modes), the prompt, its blocks' store keys, a
@@ -73,8 +73,8 @@ def placed(blocks: Blocks, prompt: Prompt, keys, ws: Workspace, reorder: bool = 
 
 
 def blend(blocks: Blocks, prompt: Prompt, keys, ws: Workspace, keep: int, config: blend_lib.BlendConfig) -> Prefill:
-    """Block mode's cache, then the question with the passage tokens whose KV deviates most,
-    recomputed in context over it."""
+    """Block mode's cache, then the question with the passage tokens `config` chooses (those it
+    reads most, or whose KV deviates most), recomputed in context over it."""
     position, stored, hits = blocks.assemble(prompt, keys, ws)
     first, starts = len(prompt.prefix), prompt.block_starts()
     logits, recomputed = blend_lib.prefill(blocks.model, ws, prompt.ids(), first, position, starts, config, keep)

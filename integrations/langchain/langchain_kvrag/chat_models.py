@@ -80,8 +80,8 @@ class ChatKVRag(BaseChatModel):
     the CPU), "float32", "float16" or "bfloat16"."""
     mode: Mode = "block"
     """How passages are used: `block` reuses their cached KV, `full` prefills everything (the
-    "stuff" baseline), `blend` reuses it but recomputes the most deviating share of passage tokens
-    (CacheBlend, the engine's `BlendConfig`), `prefix` reuses only exact leading runs, `composite`
+    "stuff" baseline), `blend` reuses it but recomputes the share of passage tokens the question
+    reads most (after CacheBlend, the engine's `BlendConfig`), `prefix` reuses only exact leading runs, `composite`
     keeps encode positions."""
     max_tokens: int = Field(default=256, ge=1)
     temperature: float = Field(default=0.0, ge=0.0)
