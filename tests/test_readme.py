@@ -139,6 +139,15 @@ def test_the_answer_files_reproduce_the_readme_accuracy_table(monkeypatch, capsy
     assert f"+{pooled['blend − deviation'][1:]} over deviation" in words and f"block mode by {pooled['blend − block'][1:]}" in words
 
 
+def test_the_answer_file_reproduces_the_held_out_blend_table(monkeypatch, capsys):
+    """The snippet in docs/layouts.md prints the rows of its held-out table; the README quotes its blend count."""
+    out = run_snippet("layouts.md", "heldout-langchain", monkeypatch, capsys).splitlines()
+    text = (ROOT / "docs" / "layouts.md").read_text(encoding="utf-8")
+    assert len(out) == 5 and all(line in text for line in out)
+    own = out[0].split(" | ")
+    assert f"block gets {own[3]} right, blend {own[5]}, full {own[2]} with the published weights" in " ".join(README.read_text(encoding="utf-8").split())
+
+
 def test_setup_commands_are_the_two_that_ci_runs():
     text = README.read_text(encoding="utf-8")
     section = text.split("\n## Two commands\n", 1)[1].split("\n## ", 1)[0]
