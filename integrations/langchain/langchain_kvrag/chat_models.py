@@ -81,8 +81,8 @@ class ChatKVRag(BaseChatModel):
     mode: Mode = "block"
     """How passages are used: `block` reuses their cached KV, `full` prefills everything (the
     "stuff" baseline), `blend` reuses it but recomputes the share of passage tokens the question
-    reads most (after CacheBlend, the engine's `BlendConfig`), `prefix` reuses only exact leading runs, `composite`
-    keeps encode positions."""
+    reads most (after CacheBlend, the engine's `BlendConfig`), `prefix` reuses only exact leading
+    runs, `composite` keeps encode positions."""
     max_tokens: int = Field(default=256, ge=1)
     temperature: float = Field(default=0.0, ge=0.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)

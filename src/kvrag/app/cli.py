@@ -489,8 +489,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("question", help="the question to answer")
     p.add_argument("--mode", choices=MODES, default="block",
                    help="how passages are used: block reuses their cached KV, full prefills everything, blend "
-                        "reuses it and recomputes the passage tokens the question reads most, prefix reuses only an exact "
-                        "leading run, composite keeps encode positions")
+                        "reuses it and recomputes the passage tokens the question reads most, prefix reuses "
+                        "only an exact leading run, composite keeps encode positions")
     p.add_argument("--top-k", type=int, default=4, help="passages retrieved for the question")
     p.add_argument("--max-new-tokens", type=int, default=128, help="longest answer in tokens")
     p.set_defaults(func=cmd_ask)

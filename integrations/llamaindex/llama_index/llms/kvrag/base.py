@@ -90,8 +90,8 @@ class KVRagLLM(CustomLLM):
         default="block",
         description="How passages are used: `block` reuses their cached KV, `full` prefills everything (the "
         "'stuff' baseline), `blend` reuses it but recomputes the share of passage tokens the question "
-        "reads most (after CacheBlend, the engine's `BlendConfig`), `prefix` reuses only exact leading runs, `composite` keeps "
-        "encode positions.",
+        "reads most (after CacheBlend, the engine's `BlendConfig`), `prefix` reuses only exact leading "
+        "runs, `composite` keeps encode positions.",
     )
     max_new_tokens: int = Field(default=256, ge=1, description="Tokens to generate at most (`metadata.num_output`).")
     temperature: float = Field(default=0.0, ge=0.0, description="0 is greedy decoding.")
