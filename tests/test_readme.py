@@ -150,6 +150,15 @@ def test_the_answer_file_reproduces_the_held_out_blend_table(monkeypatch, capsys
     assert f"block gets {own[3]} right, blend {own[5]}, full {own[2]} with the published weights" in readme
 
 
+def test_the_answer_file_reproduces_the_blend_training_table(monkeypatch, capsys):
+    """The snippet in docs/finetuning.md prints the rows of its attention-trained blend tables."""
+    out = run_snippet("finetuning.md", "blend-trained-attention-dev", monkeypatch, capsys).splitlines()
+    text = (ROOT / "docs" / "finetuning.md").read_text(encoding="utf-8")
+    assert len(out) == 5 and all(line in text for line in out)
+    gain = out[2].split(" | ")[1].lstrip("+")
+    assert f"Blend − block improves by {gain} with block" in " ".join(text.split())
+
+
 def test_setup_commands_are_the_two_that_ci_runs():
     text = README.read_text(encoding="utf-8")
     section = text.split("\n## Two commands\n", 1)[1].split("\n## ", 1)[0]
