@@ -10,7 +10,7 @@ import pytest
 from kvrag import KVRagError
 from kvrag.app.cli import main
 from kvrag.eval.accuracy import (METHODS, RUNNERS, Record, against_full, evaluate, flops_generation, format_against_full,
-                                 format_table, plot, summarize)
+                                 format_table, paired_interval, plot, points, summarize)
 from kvrag.eval.ttft import flops_to_first_token, layer_flops
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -94,6 +94,15 @@ def test_gap_to_full_is_paired_per_question_with_an_interval():
     assert half == pytest.approx(1.96 * (1 / 3) ** 0.5 / 2)  # differences -1, -1, 0, 0: sample sd sqrt(1/3)
     assert format_against_full(records).splitlines()[0] == "block - full: -50.0 ± 56.6 points (95% interval, 4 paired questions)"
     assert format_against_full([r for r in records if r.method != "full"]) == ""
+
+
+def test_a_clustered_interval_takes_one_difference_per_question():
+    # two layouts ask the same two questions: each question's mean difference over them counts once
+    per_layout = {"q1": [-1, 0], "q2": [0, 0], "q3": [-1, -1], "q4": [1, 0]}
+    diff, half = paired_interval([sum(d) / len(d) for d in per_layout.values()])
+    assert diff == pytest.approx(-0.25) and half == pytest.approx(1.96 * (1.25 / 3) ** 0.5 / 2)
+    assert points(diff, half) == "−25.0 ± 63.3"  # the docs' minus sign
+    assert paired_interval([1.0])[1] == float("inf")  # one question: no interval
 
 
 def test_plot_writes_a_png(tmp_path):

@@ -244,11 +244,21 @@ def against_full(records: Sequence[Record]) -> list[tuple[str, str, int, float, 
     for r in records:
         if r.method != "full" and (r.layout, r.id) in full:
             by_run.setdefault((r.layout, r.method), []).append(int(r.correct) - int(full[r.layout, r.id]))
-    gaps = []
-    for (layout, method), diffs in by_run.items():
-        half = 1.96 * statistics.stdev(diffs) / len(diffs) ** 0.5 if len(diffs) > 1 else math.inf
-        gaps.append((layout, method, len(diffs), statistics.fmean(diffs), half))
-    return gaps
+    return [(layout, method, len(diffs), *paired_interval(diffs)) for (layout, method), diffs in by_run.items()]
+
+
+def paired_interval(diffs: Sequence[float]) -> tuple[float, float]:
+    """The mean of paired differences and the half-width of its 95% interval (normal approximation).
+
+    One difference per question: where several layouts ask the same question, pass each question's
+    mean difference over them (clustered), since its answers are not independent."""
+    half = 1.96 * statistics.stdev(diffs) / len(diffs) ** 0.5 if len(diffs) > 1 else math.inf
+    return statistics.fmean(diffs), half
+
+
+def points(diff: float, half: float) -> str:
+    """A difference and its half-width in points, as the docs' tables print them: "−2.5 ± 3.5"."""
+    return f"{100 * diff:+.1f} ± {100 * half:.1f}".replace("-", "−")
 
 
 def format_against_full(records: Sequence[Record]) -> str:
