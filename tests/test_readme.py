@@ -193,7 +193,22 @@ def test_the_answer_file_reproduces_the_fourth_stages_held_out_table(monkeypatch
     assert all(f"{name}: {change}" in section for name, change in lines.items())
     own = rows[0].split(" | ")
     readme = " ".join(README.read_text(encoding="utf-8").split())
-    assert f"block gets {own[4]} right, blend {own[5]}, full {own[2]} with the published weights and {own[3]} with the adapter" in readme
+    assert f"full (published / adapter): {own[4]} / {own[5]} / {own[2]} / {own[3]} through LangChain's" in readme
+
+
+def test_the_answer_file_reproduces_the_llamaindex_held_out_table(monkeypatch, capsys):
+    """The LlamaIndex held-out snippet in docs/layouts.md prints the rows of its table and the
+    KVBlockSynthesizer line; the README quotes the default template's counts; every block and blend
+    answer reused KV."""
+    out = run_snippet("layouts.md", "heldout-llamaindex", monkeypatch, capsys).splitlines()
+    section = _fourth_stage()
+    rows = [line for line in out if line.startswith("| ")]
+    assert len(rows) == 3 and all(row in section for row in rows)
+    assert f"- `KVBlockSynthesizer`{out[3].removeprefix('KVBlockSynthesizer')}" in section
+    assert out[4] == "reused KV in every block and blend answer: True"
+    published, full, block, blend = rows[0].split(" | ")[2:6]
+    readme = " ".join(README.read_text(encoding="utf-8").split())
+    assert f"{block} / {blend} / {published} / {full} through LlamaIndex's `compact`" in readme
 
 
 def test_the_answer_files_reproduce_the_blend_training_table(monkeypatch, capsys):
