@@ -3,6 +3,7 @@
 command's argument checks: test_cli.py.)"""
 
 import json
+import statistics
 from dataclasses import replace
 
 import pytest
@@ -10,7 +11,8 @@ import pytest
 from kvrag import KVRagError
 from kvrag.app.cli import main
 from kvrag.eval.accuracy import (METHODS, RUNNERS, Record, against_full, evaluate, flops_generation, format_against_full,
-                                 format_table, paired_interval, plot, points, summarize)
+                                 format_table, paired_interval, plot, points, pooled_against_full,
+                                 summarize)
 from kvrag.eval.ttft import flops_to_first_token, layer_flops
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -103,6 +105,20 @@ def test_a_clustered_interval_takes_one_difference_per_question():
     assert diff == pytest.approx(-0.25) and half == pytest.approx(1.96 * (1.25 / 3) ** 0.5 / 2)
     assert points(diff, half) == "−25.0 ± 63.3"  # the docs' minus sign
     assert paired_interval([1.0])[1] == float("inf")  # one question: no interval
+
+
+def test_several_layouts_pool_against_full_counting_each_question_once():
+    # the same two questions in two layouts: block loses q0 in both, q1 in one
+    answers = {("kvrag", "q0"): (True, False), ("kvrag", "q1"): (True, False),
+               ("numbered", "q0"): (True, False), ("numbered", "q1"): (False, False)}
+    records = [replace(_record(m, "single", c, 1.0), layout=layout, id=i)
+               for (layout, i), cs in answers.items() for m, c in zip(("full", "block"), cs)]
+    ((method, layouts, n, diff, half),) = pooled_against_full(records)
+    assert (method, layouts, n, diff) == ("block", 2, 2, -0.75)  # q0 -1, q1 -0.5
+    assert half == pytest.approx(1.96 * statistics.stdev([-1, -0.5]) / 2 ** 0.5)
+    assert format_against_full(records).splitlines()[-1] == (
+        f"[pooled, 2 layouts] block - full: -75.0 ± {100 * half:.1f} points (95% interval, 2 paired questions, each counted once)")
+    assert pooled_against_full([r for r in records if r.layout == "kvrag"]) == []  # one layout: nothing to pool
 
 
 def test_plot_writes_a_png(tmp_path):

@@ -95,6 +95,10 @@ def test_the_answer_files_reproduce_block_against_full_with_the_adapter(monkeypa
     for layout, method, diff, half in gaps:
         row = next(r for r in section.splitlines() if r.startswith(f"| {layout or 'kvrag'} |"))
         assert f"{diff.replace('-', '−')} ± {half}" in row.split(" | ")[6 if method == "block" else 7], (layout, method, row)
+    pooled = re.findall(r"^\[pooled, 8 layouts\] (block|blend) - full: ([+-]\d+\.\d) ± (\d+\.\d) points", out, re.M)
+    row = next(r for r in section.splitlines() if r.startswith("| **pooled**")).split(" | ")
+    assert [m for m, _, _ in pooled] == ["block", "blend"]  # the pooled row, clustered by question: bench prints it too
+    assert all(f"{diff.replace('-', '−')} ± {half}" == row[6 if m == "block" else 7] for m, diff, half in pooled), (pooled, row)
 
 
 def test_the_answer_file_reproduces_the_blend_settings_table(monkeypatch, capsys):

@@ -261,10 +261,32 @@ def points(diff: float, half: float) -> str:
     return f"{100 * diff:+.1f} ± {100 * half:.1f}".replace("-", "−")
 
 
+def pooled_against_full(records: Sequence[Record]) -> list[tuple[str, int, int, float, float]]:
+    """Each method against full over every layout, clustered by question: (method, layouts, questions,
+    difference, half-width). A question counts once, with its mean difference over the layouts, since
+    the layouts ask the same questions; only questions that every layout answered in both modes."""
+    right = {(r.layout, r.method, r.id): int(r.correct) for r in records}
+    layouts = list(dict.fromkeys(r.layout for r in records))
+    if len(layouts) < 2:
+        return []
+    pooled = []
+    for method in dict.fromkeys(r.method for r in records if r.method != "full"):
+        ids = [i for i in dict.fromkeys(r.id for r in records)
+               if all((layout, m, i) in right for layout in layouts for m in (method, "full"))]
+        if ids:
+            diffs = [statistics.fmean(right[layout, method, i] - right[layout, "full", i] for layout in layouts) for i in ids]
+            pooled.append((method, len(layouts), len(ids), *paired_interval(diffs)))
+    return pooled
+
+
 def format_against_full(records: Sequence[Record]) -> str:
-    """`against_full` as lines of text, in points (the layout named where it is not kvrag's own)."""
-    return "\n".join(f"{'' if layout == OWN else f'[{layout}] '}{method} - full: {100 * diff:+.1f} ± {100 * half:.1f} "
-                     f"points (95% interval, {n} paired questions)" for layout, method, n, diff, half in against_full(records))
+    """`against_full` as lines of text, in points (the layout named where it is not kvrag's own), then
+    `pooled_against_full` where there are several layouts."""
+    lines = [f"{'' if layout == OWN else f'[{layout}] '}{method} - full: {100 * diff:+.1f} ± {100 * half:.1f} "
+             f"points (95% interval, {n} paired questions)" for layout, method, n, diff, half in against_full(records)]
+    lines += [f"[pooled, {k} layouts] {method} - full: {100 * diff:+.1f} ± {100 * half:.1f} points (95% interval, "
+              f"{n} paired questions, each counted once)" for method, k, n, diff, half in pooled_against_full(records)]
+    return "\n".join(lines)
 
 
 def format_table(rows: Sequence[dict]) -> str:
