@@ -169,5 +169,6 @@ def test_bench_accuracy_in_the_layouts_of_real_apps_on_the_default_model(kvrag_h
     assert [row[:3] for row in rows] == [[layout, method, "2"] for layout in ("kvrag", "langchain-rag-prompt", "numbered")
                                          for method in ("full", "block", "blend")]
     assert "[langchain-rag-prompt] block - full: " in out and "100% in prose" in out
+    assert "[pooled, 3 layouts] block - full: " in out and "2 paired questions, each counted once" in out
     records = [json.loads(line) for line in results.read_text().splitlines()[1:]]
     assert len(records) == 2 * 3 * 3 and {r["layout"] for r in records} == {"kvrag", "langchain-rag-prompt", "numbered"}
