@@ -8,6 +8,8 @@ A command that needs a server or a long job goes in a ```bash block, which is ne
 """
 
 import gc
+import gzip
+import json
 import re
 from pathlib import Path
 
@@ -213,6 +215,29 @@ def test_the_answer_file_reproduces_the_llamaindex_held_out_table(monkeypatch, c
     published, full, block, blend = rows[0].split(" | ")[2:6]
     readme = " ".join(README.read_text(encoding="utf-8").split())
     assert f"{block} / {blend} / {published} / {full} through LlamaIndex's `compact`" in readme
+
+
+def test_the_answer_files_reproduce_the_fourth_stage_in_full_mode(monkeypatch, capsys):
+    """The fourth stage's full-mode snippet in docs/layouts.md prints its table and by-type figures;
+    both worlds hold the same number of whole questions (every layout answered); the README and
+    finetuning.md quote the pooled row."""
+    out = run_snippet("layouts.md", "layouts-test-fulladapter-fourth", monkeypatch, capsys).splitlines()
+    section = _fourth_stage()
+    rows = [line for line in out if line.startswith("| ")]
+    assert len(rows) == 9 and all(row in section for row in rows)
+    by_type = dict(line.split(" ", 1) for line in out if not line.startswith("| "))
+    assert list(by_type) == ["single", "bridge", "comparison", "unanswerable"]
+    assert all(f"{kind} {figures}" in section for kind, figures in by_type.items())
+    for world in ("", "-prose"):
+        with gzip.open(ROOT / "docs" / "results" / f"layouts-test-fulladapter-fourth{world}.jsonl.gz", "rt") as f:
+            answered = [json.loads(line) for line in f.read().splitlines()[1:]]
+        questions = {a["id"] for a in answered}
+        assert len(answered) == 8 * len(questions) and 2 * len(questions) == int(rows[0].split(" | ")[1])
+    pooled = rows[-1].split(" | ")
+    readme = " ".join(README.read_text(encoding="utf-8").split())
+    assert f"block trails full by {pooled[7].lstrip('−')} points pooled, blend by {pooled[8].lstrip('−')}" in readme
+    finetuning = " ".join((ROOT / "docs" / "finetuning.md").read_text(encoding="utf-8").split())
+    assert f"({pooled[7]} pooled, {pooled[1]} of the 400" in finetuning
 
 
 def test_the_answer_files_reproduce_the_blend_training_table(monkeypatch, capsys):
