@@ -269,10 +269,10 @@ def pooled_against_full(records: Sequence[Record]) -> list[tuple[str, int, int, 
     layouts = list(dict.fromkeys(r.layout for r in records))
     if len(layouts) < 2:
         return []
+    questions = list(dict.fromkeys(r.id for r in records))
     pooled = []
     for method in dict.fromkeys(r.method for r in records if r.method != "full"):
-        ids = [i for i in dict.fromkeys(r.id for r in records)
-               if all((layout, m, i) in right for layout in layouts for m in (method, "full"))]
+        ids = [i for i in questions if all((layout, m, i) in right for layout in layouts for m in (method, "full"))]
         if ids:
             diffs = [statistics.fmean(right[layout, method, i] - right[layout, "full", i] for layout in layouts) for i in ids]
             pooled.append((method, len(layouts), len(ids), *paired_interval(diffs)))
