@@ -237,7 +237,7 @@ def test_the_answer_files_reproduce_the_fourth_stage_in_full_mode(monkeypatch, c
     readme = " ".join(README.read_text(encoding="utf-8").split())
     assert f"block trails full by {pooled[7].lstrip('−')} points pooled, blend by {pooled[8].lstrip('−')}" in readme
     finetuning = " ".join((ROOT / "docs" / "finetuning.md").read_text(encoding="utf-8").split())
-    assert f"({pooled[7]} pooled, {pooled[1]} of the 400" in finetuning
+    assert f"({pooled[7]} pooled, {pooled[1]} test questions per layout)" in finetuning
 
 
 def test_the_answer_files_reproduce_the_blend_training_table(monkeypatch, capsys):
