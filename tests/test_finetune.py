@@ -355,13 +355,14 @@ def test_finetune_command_on_the_default_model(kvrag_home, tmp_path, capsys):
     out = tmp_path / "run"
     argv = ["finetune", str(out), "--questions", "4", "--passages", "5", "--steps", "2", "--accumulate", "1",
             "--save-every", "1", "--prose", "0.5", "--prompts", "langchain-rag-prompt,llamaindex-chat-qa",
-            "--blend-share", "0.5", "--blend-select", "deviation"]
+            "--blend-share", "0.5", "--blend-select", "deviation", "--squad-share", "0.25"]
     assert main(argv) == 0
     assert "saved" in capsys.readouterr().out
     record = json.loads((out / "training.json").read_text())
     assert record["step"] == 2 and all(v > 0 for v in record["losses"])
-    assert record["about"]["dataset"] == {"split": "train", "n": 4, "passages": 5, "noise": 0.5, "seed": 0,
+    assert record["about"]["dataset"] == {"split": "train", "n": 3, "passages": 5, "noise": 0.5, "seed": 0,
                                           "prose": 0.5}
+    assert record["about"]["squad"] == 1  # a quarter of the 4 questions from SQuAD's train file
     assert record["about"]["unanswerable_share"] == 0.05
     assert record["about"]["layouts"] == ["langchain-rag-prompt", "llamaindex-chat-qa"]
     assert record["about"]["blend_select"] == "deviation" and record["config"]["blend_share"] == 0.5

@@ -91,3 +91,9 @@ def test_bench_accuracy_with_squad_rejects_prose_before_loading_anything(squad_f
     assert "SQuAD's paragraphs are already prose" in capsys.readouterr().err
     assert main(["bench", "accuracy", "--squad", str(squad_file.parent / "missing.json")]) == 2
     assert "cannot read the SQuAD file" in capsys.readouterr().err
+
+
+def test_finetune_rejects_a_squad_share_outside_0_to_1_before_loading_anything(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr("kvrag.app.cli._engine", lambda *args, **kwargs: pytest.fail("loaded a model"))
+    assert main(["finetune", str(tmp_path / "run"), "--squad-share", "1.5"]) == 2
+    assert "--squad-share must be between 0 and 1, got 1.5" in capsys.readouterr().err

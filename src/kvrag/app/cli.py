@@ -374,7 +374,7 @@ def cmd_bench_accuracy(args):
 
 def cmd_finetune(args):
     from kvrag import BlendConfig
-    from kvrag.eval import data
+    from kvrag.eval import data, squad
     from kvrag.train.finetune import TrainConfig, train, training_examples, with_short_contexts, with_unanswerable_share
 
     config = TrainConfig(steps=args.steps, learning_rate=args.lr, accumulate=args.accumulate, lora_r=args.lora_r,
@@ -385,19 +385,26 @@ def cmd_finetune(args):
         args.adapter = "none"
     if args.dtype == "auto":  # LoRA weights and their optimiser state train in float32, on a GPU too
         args.dtype = "float32"
-    dataset = {"split": "train", "n": args.questions, "passages": args.passages, "noise": args.noise, "seed": args.seed,
-               "prose": args.prose}
-    questions = with_unanswerable_share(data.generate(**dataset), args.unanswerable_share)
+    if not 0.0 <= args.squad_share <= 1.0:
+        raise KVRagError(f"--squad-share must be between 0 and 1, got {args.squad_share}")
+    from_squad = round(args.squad_share * args.questions)
+    dataset = {"split": "train", "n": args.questions - from_squad, "passages": args.passages, "noise": args.noise,
+               "seed": args.seed, "prose": args.prose}
+    questions = with_unanswerable_share(data.generate(**dataset), args.unanswerable_share) if dataset["n"] else []
+    if from_squad:  # hand-written text, answered by its SQuAD span
+        questions += squad.questions("train", from_squad, args.passages, args.seed)
     questions = with_short_contexts(questions, args.short_share, args.seed)
     layouts = _layouts(args.prompts)
     engine = _engine(args, blend=BlendConfig(select=args.blend_select))
     examples = training_examples(engine, questions, config.full_attention_share, config.seed, layouts, config.blend_share)
-    print(f"fine-tuning on {len(examples)} generated train questions x {args.passages} passages "
-          f"({args.unanswerable_share:.0%} unanswerable), "
+    print(f"fine-tuning on {len(examples)} train questions x {args.passages} passages "
+          f"({f'{from_squad} from SQuAD, ' if from_squad else ''}{args.unanswerable_share:.0%} of the generated unanswerable), "
           f"{'every weight' if args.full else f'LoRA r={args.lora_r}'}, {args.steps} steps of {args.accumulate} examples")
     about = {"dataset": dataset, "unanswerable_share": args.unanswerable_share, "model": args.model or "default"}
     if args.short_share:
         about["short_share"] = args.short_share
+    if from_squad:
+        about["squad"] = from_squad
     if layouts != ["kvrag"]:
         about["layouts"] = layouts
     if args.blend_share:
@@ -536,6 +543,9 @@ def build_parser() -> argparse.ArgumentParser:
                    f"{', '.join(BENCH_LAYOUTS)}")
     p.add_argument("--unanswerable-share", type=float, default=0.05,
                    help="share of questions no passage answers (at most 0.25, what the generator makes)")
+    p.add_argument("--squad-share", type=float, default=0.0,
+                   help="share of the questions taken from SQuAD v1.1's train file instead (hand-written, on "
+                        "Wikipedia; the answer is its span), each with --passages paragraphs of its article")
     p.add_argument("--short-share", type=float, default=0.0,
                    help="share of questions cut to their gold passages and 0-3 distractors, so short prompts are seen too")
     p.add_argument("--steps", type=int, default=TRAIN_DEFAULTS["steps"], help="optimizer steps")
