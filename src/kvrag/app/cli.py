@@ -598,9 +598,11 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--runs", type=int, default=3, help="alternating runs of each load (the median is shown)")
     b.add_argument("--dir", help="where the checkpoint is saved (default: $KVRAG_HOME/bench/SHAPE-DTYPE)")
     b.set_defaults(func=cmd_bench_load)
-    b = _command(bench, "accuracy", "accuracy and TTFT of every method on generated multi-document questions")
+    b = _command(bench, "accuracy", "accuracy and TTFT of every method on generated multi-document questions "
+                                    "(or SQuAD's)")
     b.add_argument("--limit", type=int, default=200, help="number of questions")
-    b.add_argument("--split", choices=("train", "dev", "test"), default="test", help="which generated world")
+    b.add_argument("--split", choices=("train", "dev", "test"), default="test",
+                   help="which generated world (with --squad: which part of SQuAD)")
     b.add_argument("--passages", type=int, default=10, help="passages per question (5-30; with --squad 2-30)")
     b.add_argument("--noise", type=float, default=0.5, help="share of distractors drawn from any entity; the rest are hard")
     b.add_argument("--seed", type=int, default=0, help="seed of the generated questions")

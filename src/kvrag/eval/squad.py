@@ -44,6 +44,9 @@ def _articles(path: Path, split: str) -> list[list[dict]]:
         articles = [article["paragraphs"] for article in json.loads(text)["data"]]
     except (ValueError, KeyError, TypeError) as exc:
         raise KVRagError(f"{path} is not a SQuAD-format JSON file ({exc})") from None
+    if not all(isinstance(p, dict) and isinstance(p.get("context"), str) and isinstance(p.get("qas", []), list)
+               for article in articles for p in article):
+        raise KVRagError(f"{path} is not a SQuAD-format JSON file (a paragraph without a context or a list of questions)")
     return articles if split == "train" else articles[split == "test" :: 2]
 
 
