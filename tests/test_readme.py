@@ -240,6 +240,30 @@ def test_the_answer_files_reproduce_the_fourth_stage_in_full_mode(monkeypatch, c
     assert f"({pooled[7]} pooled, {pooled[1]} test questions per layout)" in finetuning
 
 
+def test_the_answer_file_reproduces_the_squad_table_on_the_first_questions_of_the_split(monkeypatch, capsys):
+    """The SQuAD snippet in docs/layouts.md prints its table; the file answers, in every layout and
+    mode, the first questions `bench accuracy --squad` asks; block − full lies below −2 on every
+    layout, as the text says; the README quotes the pooled row."""
+    from kvrag.eval.layouts import NAMES
+    from kvrag.eval.squad import questions
+
+    out = run_snippet("layouts.md", "squad-test-fourth", monkeypatch, capsys).splitlines()
+    section = _fourth_stage()
+    rows = [line.split(" | ") for line in out]
+    assert len(rows) == 9 and all(line in section for line in out)
+    with gzip.open(ROOT / "docs" / "results" / "squad-test-fourth.jsonl.gz", "rt") as f:
+        settings, *answered = [json.loads(line) for line in f.read().splitlines()]
+    assert settings["settings"]["dataset"] == {"corpus": "squad", "split": "test", "passages": 5, "seed": 0}
+    n = int(rows[0][1])
+    asked = {e.id: e.question for e in questions("test", n, 5, 0)}
+    assert sorted((a["layout"], a["id"], a["method"]) for a in answered) == sorted(
+        (layout, i, m) for layout in NAMES for i in asked for m in ("full", "block", "blend"))
+    assert all(a["question"] == asked[a["id"]] for a in answered)
+    assert all(_points(row[5]) + float(row[5].split(" ± ")[1]) < -2 for row in rows)
+    readme = " ".join(README.read_text(encoding="utf-8").split())
+    assert f"by {rows[-1][5].lstrip('−')} and {rows[-1][6].lstrip('−').rstrip(' |')} on {n} SQuAD questions" in readme
+
+
 def test_the_answer_files_reproduce_the_blend_training_table(monkeypatch, capsys):
     """The snippet in docs/finetuning.md prints the rows of its attention-trained blend table, and the
     second look's reads pass the rule the text says they pass."""
