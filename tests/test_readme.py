@@ -7,6 +7,7 @@ session's KVRAG_HOME (the root conftest). Those that load the real default model
 A command that needs a server or a long job goes in a ```bash block, which is never run.
 """
 
+import ast
 import gc
 import gzip
 import json
@@ -247,7 +248,7 @@ def test_the_answer_file_reproduces_the_squad_table_on_the_first_questions_of_th
     from kvrag.eval.layouts import NAMES
     from kvrag.eval.squad import questions
 
-    out = run_snippet("layouts.md", "squad-test-fourth", monkeypatch, capsys).splitlines()
+    out = run_snippet("layouts.md", 'gzip.open("docs/results/squad-test-fourth', monkeypatch, capsys).splitlines()
     section = _fourth_stage()
     rows = [line.split(" | ") for line in out]
     assert len(rows) == 9 and all(line in section for line in out)
@@ -262,6 +263,23 @@ def test_the_answer_file_reproduces_the_squad_table_on_the_first_questions_of_th
     assert all(_points(row[5]) + float(row[5].split(" ± ")[1]) < -2 for row in rows)
     readme = " ".join(README.read_text(encoding="utf-8").split())
     assert f"by {rows[-1][5].lstrip('−')} and {rows[-1][6].lstrip('−').rstrip(' |')} on {n} SQuAD questions" in readme
+
+
+def test_the_answer_files_reproduce_the_partial_squad_figures_of_the_published_weights(monkeypatch, capsys):
+    """The second SQuAD snippet prints what its paragraph says: the first questions answered in
+    every layout with the published weights, their accuracies and paired differences."""
+    out = run_snippet("layouts.md", "squad-test-published", monkeypatch, capsys).splitlines()
+    section = _fourth_stage()
+    counts, shares = out[0].split(" ", 1)
+    shares = ast.literal_eval(shares)  # the dict the snippet prints
+    assert f"the first {counts} questions in every layout" in section
+    assert (f"published full {shares['published']}, full with the adapter {shares['full']}, block {shares['block']}, "
+            f"blend {shares['blend']}") in section
+    block, full = out[1].removeprefix("block − published ").split(" full − published ")
+    assert f"block − published full {block} pooled" in section and f"published {full}" in section
+    per_layout = ast.literal_eval(out[2])
+    low, high = (f"{f(per_layout.values()):+d}".replace("-", "−") for f in (min, max))
+    assert f"from {low} on `llamaindex-chat-qa` to {high} on `langchain-system-context`" in section
 
 
 def test_the_answer_files_reproduce_the_blend_training_table(monkeypatch, capsys):
