@@ -61,6 +61,7 @@ def test_the_same_arguments_give_the_same_questions_and_a_seed_others(squad_file
                                            ('{"data": []}', "holds no questions for the dev split"),
                                            ("{not json", "is not a SQuAD-format JSON file"),
                                            ('{"data": [{"paragraphs": ["text"]}]}', "a paragraph without a context"),
+                                           ('{"data": [{"paragraphs": 5}]}', "is not a SQuAD-format JSON file"),
                                            ('{"data": [{"paragraphs": [{"context": "c", "qas": [{"id": "q1"}]}]}]}',
                                             "article 0, paragraph 0, question 0 is not in SQuAD's format"),
                                            ('{"data": [{"paragraphs": [{"context": "c", "qas": [{"id": "q1", '

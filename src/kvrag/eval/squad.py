@@ -41,7 +41,7 @@ def _articles(path: Path, split: str) -> list[list[dict]]:
     except (OSError, UnicodeDecodeError) as exc:
         raise KVRagError(f"cannot read the SQuAD file {path}: {exc}") from None
     try:
-        articles = [article["paragraphs"] for article in json.loads(text)["data"]]
+        articles = [list(article["paragraphs"]) for article in json.loads(text)["data"]]
     except (ValueError, KeyError, TypeError) as exc:
         raise KVRagError(f"{path} is not a SQuAD-format JSON file ({exc})") from None
     if not all(isinstance(p, dict) and isinstance(p.get("context"), str) and isinstance(p.get("qas", []), list)
