@@ -50,11 +50,6 @@ def _articles(path: Path, split: str) -> list[list[dict]]:
     return articles if split == "train" else articles[split == "test" :: 2]
 
 
-def _names_any(text: str, answers: tuple[str, ...]) -> bool:
-    words = f" {normalize(text)} "
-    return any(f" {a} " in words for a in map(normalize, answers) if a)
-
-
 def questions(split: str = "test", n: int = 200, passages: int = 10, seed: int = 0,
               path: str | Path | None = None) -> list[QAExample]:
     """`n` questions of the split drawn at random (`seed`), each with `passages` paragraphs (2-30).
@@ -73,6 +68,7 @@ def questions(split: str = "test", n: int = 200, passages: int = 10, seed: int =
         raise KVRagError(f"{path} holds no questions for the {split} split")
     rng = random.Random(f"kvrag-squad:{seed}:{split}:{passages}")
     rng.shuffle(asked)
+    words: dict[str, str] = {}  # each paragraph normalised once, however many questions draw it
     examples = []
     for a, p, q in asked[:n]:
         qa = articles[a][p]["qas"][q]
@@ -86,11 +82,14 @@ def questions(split: str = "test", n: int = 200, passages: int = 10, seed: int =
         same = [x["context"] for x in articles[a]]
         rng.shuffle(same)
         later = (x["context"] for k in range(1, len(articles)) for x in articles[(a + k) % len(articles)])
+        named = [f" {a} " for a in map(normalize, answers) if a]
         chosen = [gold]
         for c in itertools.chain(same, later):
             if len(chosen) == passages:
                 break
-            if c not in chosen and not _names_any(c, answers):
+            if c not in words:
+                words[c] = f" {normalize(c)} "
+            if c not in chosen and not any(a in words[c] for a in named):
                 chosen.append(c)
         rng.shuffle(chosen)
         examples.append(QAExample(id=f"squad-{split}-{qid}", split=split, type="single", question=question,
