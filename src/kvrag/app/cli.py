@@ -347,7 +347,8 @@ def cmd_bench_accuracy(args):
             raise KVRagError("--prose rewrites the generated worlds; SQuAD's paragraphs are already prose")
         dataset = {"corpus": "squad", "split": args.split, "passages": args.passages, "seed": args.seed}
         examples = squad.questions(args.split, args.limit, args.passages, args.seed, args.squad or None)
-        about, name = f"SQuAD v1.1 {args.split} questions x {args.passages} paragraphs (seed {args.seed})", "squad-"
+        about = f"SQuAD v1.1 {args.split} questions x {args.passages} paragraphs (seed {args.seed})"
+        stem = f"squad-seed{args.seed}"
     else:
         dataset = {"split": args.split, "passages": args.passages, "noise": args.noise, "seed": args.seed}
         if args.prose:  # absent at 0, so that results files written before the option resume
@@ -355,11 +356,10 @@ def cmd_bench_accuracy(args):
         examples = data.generate(n=args.limit, **dataset)
         about = (f"{args.split} questions x {args.passages} passages (noise {args.noise}, seed {args.seed}"
                  f"{f', {args.prose:.0%} in prose' if args.prose else ''})")
-        name = f"noise{args.noise}-"
+        stem = f"noise{args.noise}-seed{args.seed}" + (f"-prose{args.prose}" if args.prose else "")
     engine = _engine(args)
     results = Path(args.results) if args.results else _home(args) / "bench" / (
-        f"accuracy-{engine.fingerprint[:12]}-{args.split}-{args.passages}p-{name}seed{args.seed}"
-        f"{f'-prose{args.prose}' if args.prose else ''}.jsonl"
+        f"accuracy-{engine.fingerprint[:12]}-{args.split}-{args.passages}p-{stem}.jsonl"
     )
     records = evaluate(engine, examples, methods, layouts=layouts, max_new_tokens=args.max_new_tokens, results=results,
                        dataset=dataset)
