@@ -82,14 +82,14 @@ def questions(split: str = "test", n: int = 200, passages: int = 10, seed: int =
         same = [x["context"] for x in articles[a]]
         rng.shuffle(same)
         later = (x["context"] for k in range(1, len(articles)) for x in articles[(a + k) % len(articles)])
-        named = [f" {a} " for a in map(normalize, answers) if a]
+        named = [f" {name} " for name in map(normalize, answers) if name]
         chosen = [gold]
         for c in itertools.chain(same, later):
             if len(chosen) == passages:
                 break
             if c not in words:
                 words[c] = f" {normalize(c)} "
-            if c not in chosen and not any(a in words[c] for a in named):
+            if c not in chosen and not any(name in words[c] for name in named):
                 chosen.append(c)
         rng.shuffle(chosen)
         examples.append(QAExample(id=f"squad-{split}-{qid}", split=split, type="single", question=question,
