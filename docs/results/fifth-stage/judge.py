@@ -8,7 +8,7 @@ HERE = pathlib.Path(__file__).resolve().parent
 DIR = pathlib.Path(sys.argv[1]) if len(sys.argv) > 1 else HERE / "dev-cpu"
 LAYOUTS = ["kvrag", "langchain-rag-prompt", "rag-prompt-question-last", "langchain-system-context",
            "llamaindex-text-qa", "llamaindex-chat-qa", "numbered", "separated"]
-IDS = [f"dev-{i}" for i in range(100)]
+GEN_IDS = [f"dev-{i}" for i in range(100)]
 
 
 def read(path):
@@ -48,6 +48,8 @@ def mean(xs):
 
 
 s = squad("shipped")
+IDS = sorted({i for (_, _, i) in s})  # SQuAD's own question ids
+assert len(IDS) == 100 and len(s) == 1600, (len(IDS), len(s))
 print(f"shipped SQuAD dev: full {mean([s[l, 'full', i] for l in LAYOUTS for i in IDS]):.1f}, "
       f"block {mean([s[l, 'block', i] for l in LAYOUTS for i in IDS]):.1f}")
 passed = {}
@@ -71,7 +73,7 @@ for cand in sys.argv[2].split(",") if len(sys.argv) > 2 else ("A", "B"):
     except (StopIteration, FileNotFoundError):
         print("  2. generated dev answers not in yet")
         continue
-    keys = [(w, l, i) for w in ("plain", "prose") for l in LAYOUTS for i in IDS]
+    keys = [(w, l, i) for w in ("plain", "prose") for l in LAYOUTS for i in GEN_IDS]
     block = mean([g[w, l, "block", i] - sg[w, l, "block", i] for w, l, i in keys])
     blend = mean([(g[w, l, "blend", i] - g[w, l, "block", i]) - (sg[w, l, "blend", i] - sg[w, l, "block", i]) for w, l, i in keys])
     ok2 = block >= -2 and blend >= -2
