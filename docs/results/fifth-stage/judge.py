@@ -1,7 +1,7 @@
 """Judges docs/layouts.md "The rule for a fifth stage" on the CPU's dev answers (a record, not part of kvrag).
 Criteria 2 and 3 compare pooled point estimates (every layout, and both worlds for 2), as the earlier stages'
 rules did; criterion 1 compares a clustered interval. Run from the repository root:
-    python docs/results/fifth-stage/judge.py [DIR]   (DIR: the CPU's answer files, default dev-cpu/)"""
+    python docs/results/fifth-stage/judge.py [DIR [A,B]]   (the CPU's answer files, default dev-cpu/; the candidates)"""
 import gzip, json, pathlib, statistics, sys
 
 HERE = pathlib.Path(__file__).resolve().parent
