@@ -1,13 +1,14 @@
 """Judges docs/layouts.md "The rule for a fifth stage" on the CPU's dev answers (a record, not part of kvrag).
 Criteria 2 and 3 compare pooled point estimates (every layout, and both worlds for 2), as the earlier stages'
 rules did; criterion 1 compares a clustered interval. Run from the repository root:
-    python docs/results/fifth-stage/judge.py [DIR [A,B]]   (the CPU's answer files, default dev-cpu/; the candidates)"""
+    .venv/bin/python docs/results/fifth-stage/judge.py [DIR [A,B]]   (the CPU's answer files, default dev-cpu/; the candidates)"""
 import gzip, json, pathlib, statistics, sys
+
+from kvrag.eval.accuracy import paired_interval
+from kvrag.eval.layouts import NAMES as LAYOUTS
 
 HERE = pathlib.Path(__file__).resolve().parent
 DIR = pathlib.Path(sys.argv[1]) if len(sys.argv) > 1 else HERE / "dev-cpu"
-LAYOUTS = ["kvrag", "langchain-rag-prompt", "rag-prompt-question-last", "langchain-system-context",
-           "llamaindex-text-qa", "llamaindex-chat-qa", "numbered", "separated"]
 GEN_IDS = [f"dev-{i}" for i in range(100)]
 
 
@@ -39,10 +40,6 @@ def generated(adapter):
     return right
 
 
-def interval(diffs):
-    return 100 * statistics.fmean(diffs), 100 * 1.96 * statistics.stdev(diffs) / len(diffs) ** 0.5
-
-
 def mean(xs):
     return 100 * statistics.fmean(xs)
 
@@ -57,7 +54,7 @@ for cand in sys.argv[2].split(",") if len(sys.argv) > 2 else ("A", "B"):
     c = squad(cand)
     gap = [statistics.fmean((c[l, "block", i] - c[l, "full", i]) - (s[l, "block", i] - s[l, "full", i]) for l in LAYOUTS)
            for i in IDS]
-    d1, h1 = interval(gap)
+    d1, h1 = (100 * x for x in paired_interval(gap))
     full = mean([c[l, "full", i] - s[l, "full", i] for l in LAYOUTS for i in IDS])
     own = mean([c[l, "block", i] - c[l, "full", i] for l in LAYOUTS for i in IDS])
     ok1, ok3 = d1 > h1, full >= -2
