@@ -49,6 +49,32 @@ def test_a_rerun_resumes_and_computes_only_what_is_missing(engine, examples, tmp
     assert len(path.read_text().splitlines()) == 1 + 6
 
 
+def test_questions_in_flight_together_get_the_answers_each_gets_alone(engine, examples, tmp_path, monkeypatch):
+    from kvrag import scheduler
+    from kvrag.attention import forward_packed
+
+    sizes = []
+    monkeypatch.setattr(scheduler, "forward_packed", lambda model, runs: sizes.append(len(runs)) or forward_packed(model, runs))
+    methods, layouts = ["full", "block", "blend"], ["kvrag", "numbered"]
+    alone = evaluate(engine, examples, methods, layouts=layouts, max_new_tokens=4, progress=False)
+    assert max(sizes) == 1
+    path = tmp_path / "r.jsonl"
+    together = evaluate(engine, examples[:3], methods, layouts=layouts, max_new_tokens=4, results=path, progress=False,
+                        concurrency=5)
+    assert max(sizes) >= 4  # decoded together, not in turn
+    assert json.loads(path.read_text().splitlines()[0])["settings"]["concurrency"] == 5
+    # a rerun answers only the question that is missing; the records come back in the same order
+    again = evaluate(engine, examples, methods, layouts=layouts, max_new_tokens=4, results=path, progress=False, concurrency=5)
+    assert [(r.layout, r.method, r.id, r.output) for r in again] == [(r.layout, r.method, r.id, r.output) for r in alone]
+    assert len(path.read_text().splitlines()) == 1 + len(alone)
+    with pytest.raises(KVRagError, match="differs in: concurrency"):  # decoded in batches: not mixed with answers alone
+        evaluate(engine, examples, methods, layouts=layouts, max_new_tokens=4, results=path, progress=False)
+    chains = evaluate(engine, examples[:2], ["block", "map_rerank"], max_new_tokens=2, progress=False, concurrency=3)
+    assert [(r.method, r.id) for r in chains] == [(m, e.id) for m in ("block", "map_rerank") for e in examples[:2]]
+    with pytest.raises(ValueError, match="concurrency must be >= 1"):
+        evaluate(engine, examples, methods, progress=False, concurrency=0)
+
+
 def test_results_of_another_set_up_are_refused(engine, examples, tmp_path):
     path = tmp_path / "r.jsonl"
     evaluate(engine, examples[:1], ["block"], max_new_tokens=2, results=path, progress=False, dataset={"seed": 0})

@@ -112,7 +112,7 @@ def test_the_defaults_written_in_the_cli_are_the_harness_defaults():
     [(["--methods", "full,stuffing"], "unknown method"), (["--passages", "40"], "between 5 and 30"),
      (["--limit", "0"], "n must be"), (["--prompts", "kvrag,chatml"], "unknown prompt layout(s) ['chatml']"),
      (["--prompts", "all", "--methods", "block,map_reduce"], "map_reduce write their own prompts"),
-     (["--prose", "2"], "prose must be between 0 and 1")],
+     (["--prose", "2"], "prose must be between 0 and 1"), (["--concurrency", "0"], "--concurrency must be 1 or more")],
 )
 def test_bench_accuracy_rejects_bad_arguments_before_loading_anything(args, message, capsys, monkeypatch):
     monkeypatch.setattr("kvrag.app.cli._engine", lambda args: pytest.fail("loaded a model"))

@@ -334,6 +334,8 @@ def _layouts(prompts: str) -> list[str]:
 
 def cmd_bench_accuracy(args):
     _check_plotting(args)
+    if args.concurrency < 1:
+        raise KVRagError(f"--concurrency must be 1 or more, got {args.concurrency}")
     from kvrag.eval import data, squad
     from kvrag.eval.accuracy import check_methods, evaluate, format_against_full, format_table, plot, summarize
 
@@ -357,13 +359,14 @@ def cmd_bench_accuracy(args):
         about = (f"{args.split} questions x {args.passages} passages (noise {args.noise}, seed {args.seed}"
                  f"{f', {args.prose:.0%} in prose' if args.prose else ''})")
         stem = f"noise{args.noise}-seed{args.seed}" + (f"-prose{args.prose}" if args.prose else "")
-    engine = _engine(args)
+    engine = _engine(args, max_batch=max(16, args.concurrency))
     results = Path(args.results) if args.results else _home(args) / "bench" / (
         f"accuracy-{engine.fingerprint[:12]}-{args.split}-{args.passages}p-{stem}.jsonl"
     )
     records = evaluate(engine, examples, methods, layouts=layouts, max_new_tokens=args.max_new_tokens, results=results,
-                       dataset=dataset)
-    print(f"\n{len(examples)} {about}; accuracy (%) per question type: a gold answer appears in the output")
+                       dataset=dataset, concurrency=args.concurrency)
+    print(f"\n{len(examples)} {about}; accuracy (%) per question type: a gold answer appears in the output"
+          + (f"; {args.concurrency} questions at a time, so the timings are not one user's" if args.concurrency > 1 else ""))
     print(format_table(summarize(records)))
     if gaps := format_against_full(records):
         print(f"\n{gaps}")
@@ -618,6 +621,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "dev and test the even and odd articles of its dev file")
     b.add_argument("--max-new-tokens", type=int, default=32, help="longest answer in tokens")
     b.add_argument("--results", help="JSON-lines file of answers; a rerun resumes it (default: under the cache directory)")
+    b.add_argument("--concurrency", type=int, default=1,
+                   help="questions in flight at once, decoded together as many users' are: more answers a second "
+                        "(on a GPU above all), the same answers up to rounding; the timings are then not one user's")
     b.add_argument("--plot", help="PNG to write, needs matplotlib (default: next to the results; '' for none)")
     b.set_defaults(func=cmd_bench_accuracy)
 

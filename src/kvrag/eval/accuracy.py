@@ -8,6 +8,7 @@ machine slows them alike. Results go to a JSON-lines file one answer at a time, 
 run resumes where it stopped.
 """
 
+import collections
 import json
 import math
 import statistics
@@ -65,21 +66,34 @@ def flops_generation(config, prompt_tokens: int, generated: int) -> float:
 
 def _mode(mode: str, blend: BlendConfig | None = None) -> Callable:
     def run(engine, example: QAExample, max_new_tokens: int, layout: str = OWN) -> Answer:
+        return submit(engine, example, max_new_tokens, layout)()
+
+    def submit(engine, example: QAExample, max_new_tokens: int, layout: str = OWN) -> Callable[[], Answer]:
+        """Hand the question to the engine's scheduler now; the returned call waits for its answer."""
         options = {"mode": mode, "max_new_tokens": max_new_tokens, "blend": blend}
         if layout == OWN:
-            r = engine.generate(example.question, list(example.passages), **options)
-            question = len(engine.layout.question_ids(example.question))
+            stream = engine.stream(example.question, list(example.passages), **options)
         else:  # the drop-in path: rendered text, its passages found by content
             text, _ = LAYOUTS[layout].render(engine, example.question, example.passages)
-            r = engine.generate_text(text, **options)
-            question = len(engine.prompt_from_text(text)[0].question)
-        config = engine.model.config
-        if mode == "blend":
-            flops = flops_blend(config, r.prompt_tokens - question, question, r.prefilled_tokens - question)
-        else:
-            flops = flops_to_first_token(config, r.prefilled_tokens, r.prompt_tokens - r.prefilled_tokens)
-        return Answer(r.text.strip(), r.ttft, r.total_time, flops, r.prompt_tokens)
+            stream = engine.stream_text(text, **options)
 
+        def answer() -> Answer:
+            r = stream.drain()
+            if layout == OWN:
+                question = len(engine.layout.question_ids(example.question))
+            else:
+                question = len(engine.prompt_from_text(text)[0].question)
+            config = engine.model.config
+            if mode == "blend":
+                flops = flops_blend(config, r.prompt_tokens - question, question, r.prefilled_tokens - question)
+            else:
+                flops = flops_to_first_token(config, r.prefilled_tokens, r.prompt_tokens - r.prefilled_tokens)
+            return Answer(r.text.strip(), r.ttft, r.total_time, flops, r.prompt_tokens)
+
+        answer.cancel = stream.cancel
+        return answer
+
+    run.submit = submit
     return run
 
 
@@ -127,9 +141,11 @@ def check_methods(methods: Sequence[str], layouts: Sequence[str] = (OWN,)) -> No
                          f"with other prompt layouts choose from {', '.join(MODE_METHODS)}")
 
 
-def _settings(engine, max_new_tokens: int, dataset: dict | None) -> dict:
+def _settings(engine, max_new_tokens: int, dataset: dict | None, concurrency: int = 1) -> dict:
     settings = {"model": engine.fingerprint, "blend": asdict(engine.blend), "max_new_tokens": max_new_tokens,
                 "dataset": dataset or {}}
+    if concurrency > 1:  # decoded in batches: the same answers up to rounding, and other timings
+        settings["concurrency"] = concurrency
     if engine.causal_fingerprint != engine.fingerprint:  # full and prefix run on other weights
         settings["causal_model"] = engine.causal_fingerprint
     return json.loads(json.dumps(settings))  # as read back from the file: tuples become lists
@@ -174,39 +190,70 @@ def evaluate(
     results: str | Path | None = None,
     dataset: dict | None = None,
     progress: bool = True,
+    concurrency: int = 1,
 ) -> list[Record]:
     """Every method's answer to every example in every prompt layout, grouped by layout and method.
     `results`, a JSON-lines file, keeps them across runs: a later run with the same model, settings
-    and `dataset` description (how the examples were made) only computes what is missing."""
+    and `dataset` description (how the examples were made) only computes what is missing.
+    `concurrency`: questions in flight at once, decoded together by the engine's scheduler as many
+    users' are (the chains still run one at a time); their timings are then not one user's."""
+    if concurrency < 1:
+        raise ValueError(f"concurrency must be >= 1, got {concurrency}")
     check_methods(methods, layouts)
-    settings = _settings(engine, max_new_tokens, dataset)
+    settings = _settings(engine, max_new_tokens, dataset, concurrency)
     path = Path(results) if results else None
     done = _load(path, settings) if path else {}
     engine.index(sorted({p for e in examples for p in e.passages}), progress=progress)
     if examples:  # warm-up: buffers and allocator, outside the timings
         engine.generate(examples[0].question, list(examples[0].passages), mode="block", max_new_tokens=2)
     runs = [(layout, method) for layout in layouts for method in methods]
-    bar = tqdm(total=len(examples) * len(runs), desc="kvrag: answering", unit="answer", disable=not progress)
-    records = []
-    for i, example in enumerate(examples):
-        for layout, method in runs[i % len(runs):] + runs[: i % len(runs)]:
+    jobs = [(example, *run) for i, example in enumerate(examples) for run in runs[i % len(runs):] + runs[: i % len(runs)]]
+    answered: list[Record | None] = [None] * len(jobs)
+    bar = tqdm(total=len(jobs), desc="kvrag: answering", unit="answer", disable=not progress)
+
+    def keep(k: int, a: Answer) -> None:
+        example, layout, method = jobs[k]
+        correct = answer_in_output(a.text, example.answers, example.wrong)
+        record = Record(method, example.id, example.type, example.question, a.text, correct, token_f1(a.text, example.answers),
+                        a.ttft, a.total_time, a.flops, a.prompt_tokens, layout)
+        if path:
+            with path.open("a", encoding="utf-8") as f:
+                f.write(json.dumps(asdict(record)) + "\n")
+        answered[k] = record
+        bar.update()
+
+    in_flight: collections.deque = collections.deque()  # (job, its answer's wait) in the order submitted
+
+    def keep_first() -> None:
+        k, wait = in_flight[0]
+        keep(k, wait())
+        in_flight.popleft()
+
+    try:
+        for k, (example, layout, method) in enumerate(jobs):
             record = done.get((layout, method, example.id))
-            if record is not None and record.question != example.question:
-                raise KVRagError(f"{path} answers other questions under the same ids ({example.id}); use another results file")
-            if record is None:
-                run = RUNNERS[method]
-                a = run(engine, example, max_new_tokens) if layout == OWN else run(engine, example, max_new_tokens, layout)
-                correct = answer_in_output(a.text, example.answers, example.wrong)
-                record = Record(method, example.id, example.type, example.question, a.text, correct, token_f1(a.text, example.answers),
-                                a.ttft, a.total_time, a.flops, a.prompt_tokens, layout)
-                if path:
-                    with path.open("a", encoding="utf-8") as f:
-                        f.write(json.dumps(asdict(record)) + "\n")
-            records.append(record)
-            bar.update()
-    bar.close()
+            if record is not None:
+                if record.question != example.question:
+                    raise KVRagError(f"{path} answers other questions under the same ids ({example.id}); use another results file")
+                answered[k] = record
+                bar.update()
+                continue
+            run = RUNNERS[method]
+            args = (engine, example, max_new_tokens) + (() if layout == OWN else (layout,))
+            if concurrency > 1 and hasattr(run, "submit"):
+                in_flight.append((k, run.submit(*args)))
+                if len(in_flight) == concurrency:
+                    keep_first()
+            else:
+                keep(k, run(*args))
+        while in_flight:
+            keep_first()
+    finally:
+        for _, wait in in_flight:  # an error above: what is still decoding stops
+            wait.cancel()
+        bar.close()
     order = {run: k for k, run in enumerate(runs)}
-    return sorted(records, key=lambda r: order[r.layout, r.method])
+    return sorted(answered, key=lambda r: order[r.layout, r.method])
 
 
 def summarize(records: Sequence[Record]) -> list[dict]:
