@@ -47,6 +47,7 @@ class Record:
     flops: float
     prompt_tokens: int
     layout: str = OWN  # the prompt layout (kvrag.eval.layouts) the question was asked in
+    concurrency: int = 1  # questions in flight when it was answered: its timings are one user's only at 1
 
 
 @dataclass
@@ -141,11 +142,9 @@ def check_methods(methods: Sequence[str], layouts: Sequence[str] = (OWN,)) -> No
                          f"with other prompt layouts choose from {', '.join(MODE_METHODS)}")
 
 
-def _settings(engine, max_new_tokens: int, dataset: dict | None, concurrency: int = 1) -> dict:
+def _settings(engine, max_new_tokens: int, dataset: dict | None) -> dict:
     settings = {"model": engine.fingerprint, "blend": asdict(engine.blend), "max_new_tokens": max_new_tokens,
                 "dataset": dataset or {}}
-    if concurrency > 1:  # decoded in batches: the same answers up to rounding, and other timings
-        settings["concurrency"] = concurrency
     if engine.causal_fingerprint != engine.fingerprint:  # full and prefix run on other weights
         settings["causal_model"] = engine.causal_fingerprint
     return json.loads(json.dumps(settings))  # as read back from the file: tuples become lists
@@ -196,11 +195,12 @@ def evaluate(
     `results`, a JSON-lines file, keeps them across runs: a later run with the same model, settings
     and `dataset` description (how the examples were made) only computes what is missing.
     `concurrency`: questions in flight at once, decoded together by the engine's scheduler as many
-    users' are (the chains still run one at a time); their timings are then not one user's."""
+    users' are (the chains still run one at a time): the same answers up to rounding, as with another
+    thread count, so one file may hold both; each record says how it was answered."""
     if concurrency < 1:
         raise ValueError(f"concurrency must be >= 1, got {concurrency}")
     check_methods(methods, layouts)
-    settings = _settings(engine, max_new_tokens, dataset, concurrency)
+    settings = _settings(engine, max_new_tokens, dataset)
     path = Path(results) if results else None
     done = _load(path, settings) if path else {}
     engine.index(sorted({p for e in examples for p in e.passages}), progress=progress)
@@ -215,7 +215,7 @@ def evaluate(
         example, layout, method = jobs[k]
         correct = answer_in_output(a.text, example.answers, example.wrong)
         record = Record(method, example.id, example.type, example.question, a.text, correct, token_f1(a.text, example.answers),
-                        a.ttft, a.total_time, a.flops, a.prompt_tokens, layout)
+                        a.ttft, a.total_time, a.flops, a.prompt_tokens, layout, concurrency)
         if path:
             with path.open("a", encoding="utf-8") as f:
                 f.write(json.dumps(asdict(record)) + "\n")
