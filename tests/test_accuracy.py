@@ -203,12 +203,15 @@ def test_bench_accuracy_in_the_layouts_of_real_apps_on_the_default_model(kvrag_h
 def test_bench_accuracy_on_squad_questions_on_the_default_model(kvrag_home, tmp_path, capsys):
     results = tmp_path / "squad.jsonl"
     argv = ["bench", "accuracy", "--squad", "--split", "dev", "--limit", "2", "--passages", "3", "--max-new-tokens", "6",
-            "--prompts", "kvrag,numbered", "--methods", "full,block", "--results", str(results), "--plot", ""]
+            "--prompts", "kvrag,numbered", "--methods", "full,block", "--results", str(results), "--plot", "",
+            "--concurrency", "3"]
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "2 SQuAD v1.1 dev questions x 3 paragraphs (seed 0)" in out and "[pooled, 2 layouts] block - full: " in out
+    assert "; 3 questions at a time, so the timings are not one user's" in out
     settings, *lines = results.read_text().splitlines()
     assert json.loads(settings)["settings"]["dataset"] == {"corpus": "squad", "split": "dev", "passages": 3, "seed": 0}
     records = [json.loads(line) for line in lines]
     assert len(records) == 2 * 2 * 2 and all(r["id"].startswith("squad-dev-") and r["type"] == "single" for r in records)
+    assert {r["concurrency"] for r in records} == {3}
     assert main(argv) == 0 and results.read_text().splitlines()[1:] == lines  # a rerun resumes: nothing asked again
