@@ -161,6 +161,27 @@ def _points(cell):
     return float(cell.split(" ± ")[0].replace("−", "-"))
 
 
+def _squad_table(name, monkeypatch, capsys):
+    """The rows the snippet reading docs/results/`name`.jsonl.gz prints, each found in the doc; the file
+    answers the first n SQuAD test questions (n: the table's) in every layout and mode, and only those."""
+    import gzip
+
+    from kvrag.eval.layouts import NAMES
+    from kvrag.eval.squad import questions
+
+    out = run_snippet("layouts.md", f'gzip.open("docs/results/{name}', monkeypatch, capsys).splitlines()
+    rows = [line.split(" | ") for line in out]
+    assert len(rows) == 9 and all(line in _fourth_stage() for line in out)
+    with gzip.open(ROOT / "docs" / "results" / f"{name}.jsonl.gz", "rt") as f:
+        settings, *answered = [json.loads(line) for line in f.read().splitlines()]
+    assert settings["settings"]["dataset"] == {"corpus": "squad", "split": "test", "passages": 5, "seed": 0}
+    asked = {e.id: e.question for e in questions("test", int(rows[0][1]), 5, 0)}
+    assert sorted((a["layout"], a["id"], a["method"]) for a in answered) == sorted(
+        (layout, i, m) for layout in NAMES for i in asked for m in ("full", "block", "blend"))
+    assert all(a["question"] == asked[a["id"]] for a in answered)
+    return rows
+
+
 def test_the_answer_files_show_the_fourth_stage_passing_the_rule(monkeypatch, capsys):
     """The dev snippet in docs/layouts.md prints its table, and the table passes the rule for adapters:
     pooled higher, no layout more than 2 points lower, kvrag's own no more than 1."""
@@ -245,24 +266,22 @@ def test_the_answer_file_reproduces_the_squad_table_on_the_first_questions_of_th
     """The SQuAD snippet in docs/layouts.md prints its table; the file answers, in every layout and
     mode, the first questions `bench accuracy --squad` asks; block − full lies below −2 on every
     layout, as the text says; the README quotes the pooled row."""
-    from kvrag.eval.layouts import NAMES
-    from kvrag.eval.squad import questions
-
-    out = run_snippet("layouts.md", 'gzip.open("docs/results/squad-test-fourth', monkeypatch, capsys).splitlines()
-    section = _fourth_stage()
-    rows = [line.split(" | ") for line in out]
-    assert len(rows) == 9 and all(line in section for line in out)
-    with gzip.open(ROOT / "docs" / "results" / "squad-test-fourth.jsonl.gz", "rt") as f:
-        settings, *answered = [json.loads(line) for line in f.read().splitlines()]
-    assert settings["settings"]["dataset"] == {"corpus": "squad", "split": "test", "passages": 5, "seed": 0}
+    rows = _squad_table("squad-test-fourth", monkeypatch, capsys)
     n = int(rows[0][1])
-    asked = {e.id: e.question for e in questions("test", n, 5, 0)}
-    assert sorted((a["layout"], a["id"], a["method"]) for a in answered) == sorted(
-        (layout, i, m) for layout in NAMES for i in asked for m in ("full", "block", "blend"))
-    assert all(a["question"] == asked[a["id"]] for a in answered)
     assert all(_points(row[5]) + float(row[5].split(" ± ")[1]) < -2 for row in rows)
     readme = " ".join(README.read_text(encoding="utf-8").split())
     assert f"by {rows[-1][5].lstrip('−')} and {rows[-1][6].lstrip('−').rstrip(' |')} on {n} SQuAD questions" in readme
+
+
+def test_the_answer_file_reproduces_the_squad_table_of_the_default_set_up(monkeypatch, capsys):
+    """The 400-question SQuAD snippet prints its table (the published weights in full mode); block −
+    full lies wholly below −2 on `numbered` alone, as the text judges; the README quotes the pooled row."""
+    rows = _squad_table("squad-test-default", monkeypatch, capsys)
+    assert rows[0][1] == "400"
+    below = [row[0].strip("| ") for row in rows if _points(row[5]) + float(row[5].split(" ± ")[1]) < -2]
+    assert below == ["numbered"]
+    readme = " ".join(README.read_text(encoding="utf-8").split())
+    assert f"block {rows[-1][5]}, blend {rows[-1][6].rstrip(' |')} on 400" in readme
 
 
 def test_the_answer_files_reproduce_the_partial_squad_figures_of_the_published_weights(monkeypatch, capsys):
