@@ -141,6 +141,31 @@ def test_distillation_adds_block_modes_divergence_from_full_mode(make_engine):
         torch.testing.assert_close(loss(engine.model, plain, distill=2.0), loss(engine.model, plain))
 
 
+def test_distilling_from_the_published_weights_switches_the_adapter_off_for_the_teacher(make_engine):
+    """`teacher="published"`: the KL is taken from the untouched model's full-mode predictions, while
+    the student is block mode with the adapter on; the default teacher is the adapted model itself."""
+    published = make_engine("llama")
+    block, plain = (encode(published, QUESTION, PASSAGES, ANSWER, full_attention=f) for f in (False, True))
+    last = slice(len(block.ids) - block.lengths[-1], len(block.ids) - 1)
+    untouched = _forward(published.model, plain)[last].log_softmax(-1)
+    model = ft._trainable(make_engine("llama").model, TrainConfig(lora_dropout=0.0))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(std=0.2)  # an adapter that changes the model
+    student, own = (_forward(model, e)[last].log_softmax(-1) for e in (block, plain))
+    assert (own - untouched).abs().max() > 1e-2
+    with torch.no_grad():
+        for teacher, target in (("published", untouched), ("adapter", own)):
+            divergence = (target.exp() * (target - student)).sum(-1).mean()
+            torch.testing.assert_close(loss(model, block, distill=1.0, teacher=teacher), loss(model, block) + divergence)
+    torch.testing.assert_close(_forward(model, block)[last].log_softmax(-1), student)  # the adapter is back on
+    with pytest.raises(ValueError, match="teacher must be one of"):
+        loss(model, block, distill=1.0, teacher="base")
+    with pytest.raises(ValueError, match="needs a LoRA adapter"):
+        train(make_engine("llama"), [block], "unused", TrainConfig(steps=1, full=True, distill=1.0, distill_from="published"))
+
+
 def test_a_few_steps_lower_the_loss_on_a_fixed_batch(make_engine, tmp_path):
     engine = make_engine("llama")
     batch = [encode(engine, QUESTION, PASSAGES, ANSWER), encode(engine, "What does Lailgro Works make?", PASSAGES, "Rope.")]
@@ -172,11 +197,11 @@ def test_a_stopped_run_resumes_to_the_same_weights(make_engine, tmp_path, monkey
     calls = {"n": 0}
     real_loss = ft.loss
 
-    def failing(model, example, distill):
+    def failing(*args):
         calls["n"] += 1
         if calls["n"] == 4:  # during the 4th step: the checkpoint of step 2 is the last one written
             raise KeyboardInterrupt
-        return real_loss(model, example, distill)
+        return real_loss(*args)
 
     stopped = make_engine("llama")
     monkeypatch.setattr(ft, "loss", failing)
@@ -186,7 +211,7 @@ def test_a_stopped_run_resumes_to_the_same_weights(make_engine, tmp_path, monkey
     state_file = tmp_path / "resumed" / "checkpoint" / "state.json"
     state = json.loads(state_file.read_text())
     assert state["step"] == 2
-    del state["config"]["distill"]  # as written before that setting existed: it resumes at its default
+    del state["config"]["distill"], state["config"]["distill_from"]  # as written before those settings existed: they resume at their defaults
     state_file.write_text(json.dumps(state))
     resumed = make_engine("llama")
     train(resumed, examples(resumed), tmp_path / "resumed", config, progress=False)

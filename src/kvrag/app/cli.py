@@ -383,7 +383,8 @@ def cmd_finetune(args):
     config = TrainConfig(steps=args.steps, learning_rate=args.lr, accumulate=args.accumulate, lora_r=args.lora_r,
                          lora_alpha=2 * args.lora_r, full=args.full, full_attention_share=args.full_attention_share,
                          save_every=args.save_every, seed=args.seed, init_seed=args.init_seed,
-                         init_adapter=args.init_adapter, distill=args.distill, blend_share=args.blend_share)
+                         init_adapter=args.init_adapter, distill=args.distill, distill_from=args.distill_from,
+                         blend_share=args.blend_share)
     if args.adapter == "auto":  # train from the published weights, not from the shipped adapter
         args.adapter = "none"
     if args.dtype == "auto":  # LoRA weights and their optimiser state train in float32, on a GPU too
@@ -571,6 +572,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--distill", type=float, default=TRAIN_DEFAULTS["distill"],
                    help="weight of a term pulling block mode's predictions toward full mode's (same model, same "
                         "passages) on the question and answer; 0: off")
+    p.add_argument("--distill-from", choices=("adapter", "published"), default="adapter",
+                   help="whose full-mode predictions --distill pulls toward: the model being trained, or the "
+                        "published weights (adapter off), which kvrag's default set-up answers full mode with")
     p.add_argument("--blend-share", type=float, default=TRAIN_DEFAULTS["blend_share"],
                    help="share of the block-attention examples trained in blend mode's attention (the 15%% of "
                         "passage tokens blend recomputes see across passages), so that blend mode is tuned too")

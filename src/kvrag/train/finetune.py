@@ -17,6 +17,7 @@ Weights are adapted with LoRA (peft) so that the result is a few MB; `full=True`
 weight instead. Checkpoints let a long CPU run stop and resume.
 """
 
+import contextlib
 import itertools
 import json
 import random
@@ -37,6 +38,7 @@ from kvrag.eval.layouts import LAYOUTS, OWN, check_layouts
 from kvrag.prompt import Prompt
 
 IGNORE = -100  # label of tokens the loss skips
+TEACHERS = ("adapter", "published")  # whose full-mode predictions `distill` pulls block mode toward
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -187,7 +189,7 @@ def training_examples(engine, qa_examples, full_attention_share: float = 0.0, se
     return examples
 
 
-def loss(model, example: TrainingExample, distill: float = 0.0) -> torch.Tensor:
+def loss(model, example: TrainingExample, distill: float = 0.0, teacher: str = "adapter") -> torch.Tensor:
     """Mean cross-entropy of the answer tokens, each predicted from everything before it.
 
     Only the positions that predict an answer token go through the output layer, which holds a fifth
@@ -196,7 +198,8 @@ def loss(model, example: TrainingExample, distill: float = 0.0) -> torch.Tensor:
     `distill` > 0 adds, for a block-attention example, that weight times the KL divergence from the
     same model's plain-attention predictions (no gradient through them) over the question and answer:
     block mode is pulled toward what full mode reads from the same passages, not only toward the gold
-    answer."""
+    answer. `teacher="published"` takes those predictions with the LoRA adapter off: the published
+    weights in full mode, what kvrag's default set-up answers full-mode questions with."""
     device = model.device
     n = len(example.ids)
     ids = torch.tensor([example.ids], device=device)
@@ -211,16 +214,19 @@ def loss(model, example: TrainingExample, distill: float = 0.0) -> torch.Tensor:
     labels = torch.tensor(example.labels[first:], device=device)
     value = torch.nn.functional.cross_entropy(logits[first - 1 - start:], labels, ignore_index=IGNORE)
     if distilled:
-        value = value + distill * _divergence_from_full_attention(model, ids, positions, logits)
+        value = value + distill * _divergence_from_full_attention(model, ids, positions, logits, teacher)
     return value
 
 
-def _divergence_from_full_attention(model, ids, positions, logits) -> torch.Tensor:
+def _divergence_from_full_attention(model, ids, positions, logits, teacher: str = "adapter") -> torch.Tensor:
     """Mean KL(full || block) per position of the last block, full mode's predictions held fixed
     (dropout off, so that the target is the model as inference runs it)."""
+    if teacher not in TEACHERS:
+        raise ValueError(f"teacher must be one of {TEACHERS}, got {teacher!r}")
     training = model.training
     model.eval()
-    with torch.no_grad():
+    adapter_off = model.disable_adapter() if teacher == "published" else contextlib.nullcontext()
+    with torch.no_grad(), adapter_off:
         causal = attention.mask(positions[0], ids.shape[1], model.dtype)
         target = model(input_ids=ids, position_ids=positions, attention_mask=causal,
                        logits_to_keep=len(logits) + 1).logits[0, :-1]
@@ -249,6 +255,7 @@ class TrainConfig:
     init_seed: int | None = None
     init_adapter: str | None = None  # a saved LoRA adapter (same rank) to continue training from
     distill: float = 0.0  # weight of block mode's divergence from full mode's predictions (`loss`)
+    distill_from: str = "adapter"  # whose full-mode predictions: the trained model's or the published weights' (`loss`)
     blend_share: float = 0.0  # share of the block-attention examples trained in blend mode's attention
 
 
@@ -296,6 +303,10 @@ def train(engine, examples: Sequence[TrainingExample], out: str | Path, config: 
     config = config or TrainConfig()
     if not examples:
         raise ValueError("no training examples")
+    if config.distill_from not in TEACHERS:
+        raise ValueError(f"distill_from must be one of {TEACHERS}, got {config.distill_from!r}")
+    if config.distill_from == "published" and config.full:
+        raise ValueError("distill_from='published' needs a LoRA adapter to switch off; full=True changes the published weights")
     if scale is not None and (config.full or scale <= 0):
         raise ValueError(f"scale applies to a LoRA adapter and must be > 0, got {scale} (full={config.full})")
     out = Path(out)
@@ -324,7 +335,8 @@ def train(engine, examples: Sequence[TrainingExample], out: str | Path, config: 
         step = state["step"]
         total = 0.0
         for k in range(config.accumulate):
-            value = loss(model, examples[draws[step * config.accumulate + k]], config.distill) / config.accumulate
+            value = loss(model, examples[draws[step * config.accumulate + k]], config.distill,
+                         config.distill_from) / config.accumulate
             value.backward()
             total += value.item()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
