@@ -98,13 +98,14 @@ def test_neither_import_kvrag_nor_help_loads_the_harness_or_matplotlib():
 def test_the_defaults_written_in_the_cli_are_the_harness_defaults():
     from kvrag.eval.accuracy import EXTRA_METHODS, METHODS, MODE_METHODS, RUNNERS
     from kvrag.eval.layouts import NAMES
-    from kvrag.train.finetune import TrainConfig
+    from kvrag.train.finetune import TEACHERS, TrainConfig
 
     assert cli.BENCH_METHODS == METHODS and cli.BENCH_EXTRA_METHODS == EXTRA_METHODS
     assert cli.BENCH_LAYOUTS == NAMES and set(cli.LAYOUT_METHODS) <= set(MODE_METHODS)
     assert set(RUNNERS) == set(METHODS + EXTRA_METHODS)
     trained = asdict(TrainConfig())
     assert cli.TRAIN_DEFAULTS == {key: trained[key] for key in cli.TRAIN_DEFAULTS}
+    assert cli.TRAIN_TEACHERS == TEACHERS
 
 
 @pytest.mark.parametrize(

@@ -28,8 +28,10 @@ BENCH_LAYOUTS = ("kvrag", "langchain-rag-prompt", "rag-prompt-question-last", "l
 LAYOUT_METHODS = ("full", "block", "blend")
 """What `bench accuracy` runs by default in other prompt layouts than kvrag's own."""
 TRAIN_DEFAULTS = {"steps": 170, "learning_rate": 5e-4, "accumulate": 4, "lora_r": 8, "save_every": 25, "distill": 0.0,
-                  "blend_share": 0.0}
+                  "distill_from": "adapter", "blend_share": 0.0}
 """kvrag.train.finetune.TrainConfig's defaults for the settings `finetune` exposes."""
+TRAIN_TEACHERS = ("adapter", "published")
+"""kvrag.train.finetune.TEACHERS: whose full-mode predictions `finetune --distill` pulls toward."""
 
 
 def _engine(args, **options):
@@ -572,7 +574,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--distill", type=float, default=TRAIN_DEFAULTS["distill"],
                    help="weight of a term pulling block mode's predictions toward full mode's (same model, same "
                         "passages) on the question and answer; 0: off")
-    p.add_argument("--distill-from", choices=("adapter", "published"), default="adapter",
+    p.add_argument("--distill-from", choices=TRAIN_TEACHERS, default=TRAIN_DEFAULTS["distill_from"],
                    help="whose full-mode predictions --distill pulls toward: the model being trained, or the "
                         "published weights (adapter off), which kvrag's default set-up answers full mode with")
     p.add_argument("--blend-share", type=float, default=TRAIN_DEFAULTS["blend_share"],
