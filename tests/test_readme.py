@@ -284,6 +284,21 @@ def test_the_answer_file_reproduces_the_squad_table_of_the_default_set_up(monkey
     assert f"block {rows[-1][5]}, blend {rows[-1][6].rstrip(' |')} on 400" in readme
 
 
+def test_the_answer_files_reproduce_how_length_weighs_on_the_squad_figures(monkeypatch, capsys):
+    """The snippet read after the 400-question rule prints what its paragraph says: the answers' median
+    lengths, and block and blend against full by token F1 and on each answer's first sentence."""
+    out = run_snippet("layouts.md", "def first_sentence", monkeypatch, capsys).splitlines()
+    section = _fourth_stage()
+    words = [line.split("median ")[1].removesuffix(" words") for line in out[:3]]
+    assert f"(median {words[0]} words against {words[1]} in block and blend mode)" in section and words[1] == words[2]
+    (block_f1, block_first), (blend_f1, blend_first) = (
+        line.split("token F1 ")[1].split(", first sentence ") for line in out[3:5])
+    assert f"block mode is above the published full mode: {block_f1} points pooled, blend {blend_f1}" in section
+    assert f"block − full is {block_first} and blend − full {blend_first}" in section
+    assert _points(block_f1) > 0 and _points(block_first) < 0
+    assert f"block mode loses on F1 too ({out[5].split('token F1 ')[1]})" in section
+
+
 def test_the_answer_files_reproduce_the_partial_squad_figures_of_the_published_weights(monkeypatch, capsys):
     """The second SQuAD snippet prints what its paragraph says: the first questions answered in
     every layout with the published weights, their accuracies and paired differences."""
