@@ -299,6 +299,20 @@ def test_the_answer_files_reproduce_how_length_weighs_on_the_squad_figures(monke
     assert f"block mode loses on F1 too ({out[5].split('token F1 ')[1]})" in section
 
 
+def test_the_answer_files_reproduce_both_pilots(monkeypatch, capsys):
+    """The pilots' snippet prints the second pilot's table, whose first columns are the first pilot's
+    table, and each pilot's paired difference from the shipped adapter as its section quotes it."""
+    out = run_snippet("layouts.md", "sixth-stage-pilot", monkeypatch, capsys).splitlines()
+    text = " ".join((ROOT / "docs" / "layouts.md").read_text(encoding="utf-8").split())
+    first, second = text.split("### A pilot: the published")[1].split("### A second pilot:")
+    second = second.split("## What is left")[0]
+    rows, (first_gain, second_gain) = out[:-2], out[-2:]
+    assert len(rows) == 9 and all(row in second for row in rows)
+    assert all(row.rsplit(" | ", 1)[0] + " |" in first for row in rows)
+    assert f"Pilot − shipped: {first_gain.split(': ')[1]} points" in first
+    assert f"Second pilot − shipped: {second_gain.split(': ')[1]} points" in second
+
+
 def test_the_answer_files_reproduce_the_partial_squad_figures_of_the_published_weights(monkeypatch, capsys):
     """The second SQuAD snippet prints what its paragraph says: the first questions answered in
     every layout with the published weights, their accuracies and paired differences."""
