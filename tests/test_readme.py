@@ -313,6 +313,21 @@ def test_the_answer_files_reproduce_both_pilots(monkeypatch, capsys):
     assert f"Second pilot − shipped: {second_gain.split(': ')[1]} points" in second
 
 
+def test_the_answer_files_reproduce_the_sixth_stage_decision(monkeypatch, capsys):
+    """The sixth stage's snippet prints its table, the intervals its text quotes, a block loss beyond
+    the rule's 2 points (so the text's "criterion 1 fails" holds) and the counts read afterwards."""
+    out = run_snippet("layouts.md", 'Path("docs/results/sixth-stage")', monkeypatch, capsys).splitlines()
+    section = " ".join((ROOT / "docs" / "layouts.md").read_text(encoding="utf-8").split())
+    section = section.split("### The decision: the second pilot fails")[1].split("## What is left")[0]
+    assert out[0] in section and out[1] in section
+    shipped, pilot = (float(row.split(" | ")[1]) for row in out[:2])
+    assert pilot - shipped < -2 and "criterion 1 fails" in section
+    block, gap = out[2].removeprefix("block − shipped's ").split(", (blend − block) − shipped's ")
+    assert f"Block − shipped's: {block} points; (blend − block) − shipped's: {gap}" in section
+    counts = ast.literal_eval(out[3])
+    assert ", ".join(f"{t} {a} → {b}" for t, (a, b) in counts.items()) in section
+
+
 def test_the_answer_files_reproduce_the_partial_squad_figures_of_the_published_weights(monkeypatch, capsys):
     """The second SQuAD snippet prints what its paragraph says: the first questions answered in
     every layout with the published weights, their accuracies and paired differences."""
