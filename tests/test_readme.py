@@ -366,6 +366,39 @@ def test_setup_commands_are_the_two_that_ci_runs():
     assert ci[-1] == "./run test"
 
 
+FAKE_PYTHON = """#!/bin/sh
+# Stands in for python3 and the virtualenv's python: logs each call, makes `-m venv DIR` a fake
+# virtualenv whose python is this script, and takes a moment over everything else, as pip does.
+echo "$*" >> "$FAKE_LOG"
+if [ "$1 $2" = "-m venv" ]; then
+    mkdir "$3" && mkdir "$3/bin" && cp "$0" "$3/bin/python" && printf '#!/bin/sh\\necho ran "$@"\\n' > "$3/bin/kvrag" &&
+        chmod +x "$3/bin/kvrag"
+else
+    sleep 1
+fi
+"""
+
+
+def test_two_runs_started_at_once_set_up_once(tmp_path):
+    """`./run` twice at once on a fresh checkout: one installs, the other waits for it and then runs
+    (before, both made the virtualenv and the second died on it)."""
+    import os
+    import subprocess
+
+    fake = tmp_path / "python3"
+    fake.write_text(FAKE_PYTHON)
+    fake.chmod(0o755)
+    env = {**os.environ, "PYTHON": str(fake), "KVRAG_VENV": str(tmp_path / "venv"), "FAKE_LOG": str(tmp_path / "log")}
+    runs = [subprocess.Popen([str(ROOT / "run"), "--version", str(n)], env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True) for n in (1, 2)]
+    results = [run.communicate(timeout=120) + (run.returncode,) for run in runs]
+    assert [code for _, _, code in results] == [0, 0], results
+    assert sorted(out for out, _, _ in results) == ["ran --version 1\n", "ran --version 2\n"]
+    calls = (tmp_path / "log").read_text().splitlines()
+    assert sum(call.startswith("-m venv ") for call in calls) == 1, calls
+    assert sum("installing into" in err for _, err, _ in results) == 1
+
+
 def test_readme_is_short():
     assert len(README.read_text(encoding="utf-8").splitlines()) <= 250
 
