@@ -11,7 +11,9 @@ import ast
 import gc
 import gzip
 import json
+import os
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -382,9 +384,6 @@ fi
 def test_two_runs_started_at_once_set_up_once(tmp_path):
     """`./run` twice at once on a fresh checkout: one installs, the other waits for it and then runs
     (before, both made the virtualenv and the second died on it)."""
-    import os
-    import subprocess
-
     fake = tmp_path / "python3"
     fake.write_text(FAKE_PYTHON)
     fake.chmod(0o755)
