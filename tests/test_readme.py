@@ -305,9 +305,7 @@ def test_the_answer_files_reproduce_both_pilots(monkeypatch, capsys):
     """The pilots' snippet prints the second pilot's table, whose first columns are the first pilot's
     table, and each pilot's paired difference from the shipped adapter as its section quotes it."""
     out = run_snippet("layouts.md", "sixth-stage-pilot", monkeypatch, capsys).splitlines()
-    text = " ".join((ROOT / "docs" / "layouts.md").read_text(encoding="utf-8").split())
-    first, second = text.split("### A pilot: the published")[1].split("### A second pilot:")
-    second = second.split("## What is left")[0]
+    first, second = _fourth_stage().split("### A pilot: the published")[1].split("### A second pilot:")
     rows, (first_gain, second_gain) = out[:-2], out[-2:]
     assert len(rows) == 9 and all(row in second for row in rows)
     assert all(row.rsplit(" | ", 1)[0] + " |" in first for row in rows)
@@ -319,8 +317,7 @@ def test_the_answer_files_reproduce_the_sixth_stage_decision(monkeypatch, capsys
     """The sixth stage's snippet prints its table, the intervals its text quotes, a block loss beyond
     the rule's 2 points (so the text's "criterion 1 fails" holds) and the counts read afterwards."""
     out = run_snippet("layouts.md", 'Path("docs/results/sixth-stage")', monkeypatch, capsys).splitlines()
-    section = " ".join((ROOT / "docs" / "layouts.md").read_text(encoding="utf-8").split())
-    section = section.split("### The decision: the second pilot fails")[1].split("## What is left")[0]
+    section = _fourth_stage().split("### The decision: the second pilot fails")[1]
     assert out[0] in section and out[1] in section
     shipped, pilot = (float(row.split(" | ")[1]) for row in out[:2])
     assert pilot - shipped < -2 and "criterion 1 fails" in section
