@@ -304,7 +304,7 @@ def test_the_answer_files_reproduce_how_length_weighs_on_the_squad_figures(monke
 def test_the_answer_files_reproduce_both_pilots(monkeypatch, capsys):
     """The pilots' snippet prints the second pilot's table, whose first columns are the first pilot's
     table, and each pilot's paired difference from the shipped adapter as its section quotes it."""
-    out = run_snippet("layouts.md", "sixth-stage-pilot", monkeypatch, capsys).splitlines()
+    out = run_snippet("layouts.md", "sixth-stage-pilot/squad-dev-pilot-*", monkeypatch, capsys).splitlines()
     first, second = _fourth_stage().split("### A pilot: the published")[1].split("### A second pilot:")
     rows, (first_gain, second_gain) = out[:-2], out[-2:]
     assert len(rows) == 9 and all(row in second for row in rows)
@@ -325,6 +325,24 @@ def test_the_answer_files_reproduce_the_sixth_stage_decision(monkeypatch, capsys
     assert f"Block − shipped's: {block} points; (blend − block) − shipped's: {gap}" in section
     counts = ast.literal_eval(out[3])
     assert ", ".join(f"{t} {a} → {b}" for t, (a, b) in counts.items()) in section
+
+
+def test_the_answer_files_reproduce_the_third_pilot(monkeypatch, capsys):
+    """The third pilot's snippet prints its table and the intervals its text quotes; its rows for the
+    shipped adapter and the second pilot agree with the sixth stage's, and the counts the rule reads
+    (refusals, bridge questions, both dev gains) are what its judgement says."""
+    out = run_snippet("layouts.md", "dev-pilot3-", monkeypatch, capsys).splitlines()
+    section = _fourth_stage().split("### A third pilot:")[1]
+    assert len(out) == 6 and all(row in section for row in out[:4])
+    rows = {row.split(" | ")[0].removeprefix("| "): row.split(" | ")[1:] for row in out[1:4]}
+    assert [rows[name][1] for name in ("shipped", "second pilot")] == ["34.8", "26.9"]  # the sixth stage's table
+    unanswerable, bridge = int(rows["third pilot"][5].rstrip(" |")), int(rows["third pilot"][3])
+    assert unanswerable < 20 and abs(bridge - int(rows["second pilot"][3])) > 10  # neither cause, as judged
+    shipped, second = (line.split(": ")[1] for line in out[4:])
+    squad, generated = (cell.split(" ", 2)[-1] for cell in shipped.split(", "))
+    assert _points(squad) <= 2 and _points(generated) < -2  # not a starting point
+    assert f"SQuAD dev {squad}, generated dev {generated} points" in section
+    assert second.replace("SQuAD dev", "pilot: SQuAD dev") in section
 
 
 def test_the_answer_files_reproduce_the_partial_squad_figures_of_the_published_weights(monkeypatch, capsys):
