@@ -332,17 +332,32 @@ def test_the_answer_files_reproduce_the_third_pilot(monkeypatch, capsys):
     shipped adapter and the second pilot agree with the sixth stage's, and the counts the rule reads
     (refusals, bridge questions, both dev gains) are what its judgement says."""
     out = run_snippet("layouts.md", "dev-pilot3-", monkeypatch, capsys).splitlines()
-    section = _fourth_stage().split("### A third pilot:")[1]
-    assert len(out) == 6 and all(row in section for row in out[:4])
+    section = _fourth_stage().split("### A third pilot:")[1].split("### A fourth pilot:")[0]
+    assert len(out) == 9 and all(row in section for row in out[:4])
     rows = {row.split(" | ")[0].removeprefix("| "): row.split(" | ")[1:] for row in out[1:4]}
     assert [rows[name][1] for name in ("shipped", "second pilot")] == ["34.8", "26.9"]  # the sixth stage's table
     unanswerable, bridge = int(rows["third pilot"][5].rstrip(" |")), int(rows["third pilot"][3])
     assert unanswerable < 20 and abs(bridge - int(rows["second pilot"][3])) > 10  # neither cause, as judged
-    shipped, second = (line.split(": ")[1] for line in out[4:])
+    shipped, second = (line.split(": ")[1] for line in out[5:7])
     squad, generated = (cell.split(" ", 2)[-1] for cell in shipped.split(", "))
     assert _points(squad) <= 2 and _points(generated) < -2  # not a starting point
     assert f"SQuAD dev {squad}, generated dev {generated} points" in section
     assert second.replace("SQuAD dev", "pilot: SQuAD dev") in section
+
+
+def test_the_answer_files_reproduce_the_fourth_pilot(monkeypatch, capsys):
+    """The pilots' snippet prints the fourth pilot's row and intervals as its section quotes them, and
+    the rule's judgement follows from them: the refusals and hops kept, not a starting point."""
+    out = run_snippet("layouts.md", "dev-pilot4-", monkeypatch, capsys).splitlines()
+    section = _fourth_stage().split("### A fourth pilot:")[1]
+    assert all(row in section for row in (out[0], out[1], out[3], out[4]))  # shipped, third and fourth pilot
+    fourth = out[4].split(" | ")
+    assert int(fourth[6].rstrip(" |")) >= 20 and int(out[1].split(" | ")[4]) - int(fourth[4]) <= 20
+    shipped, third = (line.split(": ")[1] for line in out[7:9])
+    squad, generated = (cell.split(" ", 2)[-1] for cell in shipped.split(", "))
+    assert _points(squad) <= 2 and _points(generated) < -2  # not a starting point
+    assert f"Fourth pilot − shipped: SQuAD dev {squad}, generated dev {generated} points" in section
+    assert f"pilot: {third} (paired" in section
 
 
 def test_the_answer_files_reproduce_the_partial_squad_figures_of_the_published_weights(monkeypatch, capsys):
