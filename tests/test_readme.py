@@ -327,37 +327,51 @@ def test_the_answer_files_reproduce_the_sixth_stage_decision(monkeypatch, capsys
     assert ", ".join(f"{t} {a} → {b}" for t, (a, b) in counts.items()) in section
 
 
+def _pilots(monkeypatch, capsys):
+    """What the pilots' snippet prints: its table rows by adapter ("adapter" the header), and its
+    intervals by (pilot, base) as (SQuAD dev, generated dev)."""
+    out = run_snippet("layouts.md", "dev-pilot4-", monkeypatch, capsys).splitlines()
+    rows = {line.split(" | ")[0].removeprefix("| "): line for line in out if line.startswith("| ")}
+    gains = {}
+    for line in out[len(rows):]:
+        pair, cells = line.split(": ", 1)
+        gains[tuple(pair.split(" − "))] = tuple(cell.split(" ", 2)[-1] for cell in cells.split(", "))
+    assert list(rows) == ["adapter", "shipped", "second pilot", "third pilot", "fourth pilot"] and len(gains) == 4
+    return rows, gains
+
+
+def _cells(row):  # a table row's cells after the adapter's name
+    return [cell.rstrip(" |") for cell in row.split(" | ")[1:]]
+
+
 def test_the_answer_files_reproduce_the_third_pilot(monkeypatch, capsys):
-    """The third pilot's snippet prints its table and the intervals its text quotes; its rows for the
-    shipped adapter and the second pilot agree with the sixth stage's, and the counts the rule reads
+    """The pilots' snippet prints the third pilot's table and the intervals its text quotes; its rows for
+    the shipped adapter and the second pilot agree with the sixth stage's, and the counts the rule reads
     (refusals, bridge questions, both dev gains) are what its judgement says."""
-    out = run_snippet("layouts.md", "dev-pilot3-", monkeypatch, capsys).splitlines()
+    rows, gains = _pilots(monkeypatch, capsys)
     section = _fourth_stage().split("### A third pilot:")[1].split("### A fourth pilot:")[0]
-    assert len(out) == 9 and all(row in section for row in out[:4])
-    rows = {row.split(" | ")[0].removeprefix("| "): row.split(" | ")[1:] for row in out[1:4]}
-    assert [rows[name][1] for name in ("shipped", "second pilot")] == ["34.8", "26.9"]  # the sixth stage's table
-    unanswerable, bridge = int(rows["third pilot"][5].rstrip(" |")), int(rows["third pilot"][3])
-    assert unanswerable < 20 and abs(bridge - int(rows["second pilot"][3])) > 10  # neither cause, as judged
-    shipped, second = (line.split(": ")[1] for line in out[5:7])
-    squad, generated = (cell.split(" ", 2)[-1] for cell in shipped.split(", "))
+    assert all(rows[name] in section for name in ("adapter", "shipped", "second pilot", "third pilot"))
+    assert [_cells(rows[name])[1] for name in ("shipped", "second pilot")] == ["34.8", "26.9"]  # the sixth stage's table
+    unanswerable, bridge = int(_cells(rows["third pilot"])[5]), int(_cells(rows["third pilot"])[3])
+    assert unanswerable < 20 and abs(bridge - int(_cells(rows["second pilot"])[3])) > 10  # neither cause, as judged
+    squad, generated = gains["third pilot", "shipped"]
     assert _points(squad) <= 2 and _points(generated) < -2  # not a starting point
     assert f"SQuAD dev {squad}, generated dev {generated} points" in section
-    assert second.replace("SQuAD dev", "pilot: SQuAD dev") in section
+    assert "pilot: SQuAD dev {}, generated dev {}".format(*gains["third pilot", "second pilot"]) in section
 
 
 def test_the_answer_files_reproduce_the_fourth_pilot(monkeypatch, capsys):
     """The pilots' snippet prints the fourth pilot's row and intervals as its section quotes them, and
     the rule's judgement follows from them: the refusals and hops kept, not a starting point."""
-    out = run_snippet("layouts.md", "dev-pilot4-", monkeypatch, capsys).splitlines()
+    rows, gains = _pilots(monkeypatch, capsys)
     section = _fourth_stage().split("### A fourth pilot:")[1]
-    assert all(row in section for row in (out[0], out[1], out[3], out[4]))  # shipped, third and fourth pilot
-    fourth = out[4].split(" | ")
-    assert int(fourth[6].rstrip(" |")) >= 20 and int(out[1].split(" | ")[4]) - int(fourth[4]) <= 20
-    shipped, third = (line.split(": ")[1] for line in out[7:9])
-    squad, generated = (cell.split(" ", 2)[-1] for cell in shipped.split(", "))
+    assert all(rows[name] in section for name in ("adapter", "shipped", "third pilot", "fourth pilot"))
+    fourth, shipped = _cells(rows["fourth pilot"]), _cells(rows["shipped"])
+    assert int(fourth[5]) >= 20 and int(shipped[3]) - int(fourth[3]) <= 20
+    squad, generated = gains["fourth pilot", "shipped"]
     assert _points(squad) <= 2 and _points(generated) < -2  # not a starting point
     assert f"Fourth pilot − shipped: SQuAD dev {squad}, generated dev {generated} points" in section
-    assert f"pilot: {third} (paired" in section
+    assert "pilot: SQuAD dev {}, generated dev {} (paired".format(*gains["fourth pilot", "third pilot"]) in section
 
 
 def test_the_answer_files_reproduce_the_partial_squad_figures_of_the_published_weights(monkeypatch, capsys):
