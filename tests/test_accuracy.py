@@ -31,6 +31,16 @@ def test_every_method_answers_every_question(engine, examples, tmp_path):
         assert by["block", e.id].flops < by["blend", e.id].flops < by["full", e.id].flops < by["map_rerank", e.id].flops
 
 
+def test_passages_are_indexed_ahead_only_for_methods_that_reuse_their_kv(engine, examples, monkeypatch):
+    indexed = []
+    real = engine.index
+    monkeypatch.setattr(engine, "index", lambda texts, **kw: indexed.append(sorted(texts)) or real(texts, **kw))
+    evaluate(engine, examples[:2], ["full", "map_reduce"], max_new_tokens=2, progress=False)
+    assert indexed == []  # causal prompts read no stored passage
+    evaluate(engine, examples[:2], ["full", "blend"], max_new_tokens=2, progress=False)
+    assert indexed == [sorted({p for e in examples[:2] for p in e.passages})]
+
+
 def test_a_rerun_resumes_and_computes_only_what_is_missing(engine, examples, tmp_path, monkeypatch):
     path = tmp_path / "r.jsonl"
     first = evaluate(engine, examples[:2], ["full", "block"], max_new_tokens=2, results=path, progress=False)

@@ -380,7 +380,7 @@ def test_finetune_command_on_the_default_model(kvrag_home, tmp_path, capsys):
     out = tmp_path / "run"
     argv = ["finetune", str(out), "--questions", "4", "--passages", "5", "--steps", "2", "--accumulate", "1",
             "--save-every", "1", "--prose", "0.5", "--prompts", "langchain-rag-prompt,llamaindex-chat-qa",
-            "--blend-share", "0.5", "--blend-select", "deviation", "--squad-share", "0.25"]
+            "--blend-share", "0.5", "--blend-select", "deviation", "--squad-share", "0.25", "--squad-passages", "2"]
     assert main(argv) == 0
     assert "saved" in capsys.readouterr().out
     record = json.loads((out / "training.json").read_text())
@@ -388,6 +388,7 @@ def test_finetune_command_on_the_default_model(kvrag_home, tmp_path, capsys):
     assert record["about"]["dataset"] == {"split": "train", "n": 3, "passages": 5, "noise": 0.5, "seed": 0,
                                           "prose": 0.5}
     assert record["about"]["squad"] == 1  # a quarter of the 4 questions from SQuAD's train file
+    assert record["about"]["squad_passages"] == 2
     assert record["about"]["unanswerable_share"] == 0.05
     assert record["about"]["layouts"] == ["langchain-rag-prompt", "llamaindex-chat-qa"]
     assert record["about"]["blend_select"] == "deviation" and record["config"]["blend_share"] == 0.5

@@ -99,3 +99,48 @@ def test_finetune_rejects_a_squad_share_outside_0_to_1_before_loading_anything(t
     monkeypatch.setattr("kvrag.app.cli._engine", lambda *args, **kwargs: pytest.fail("loaded a model"))
     assert main(["finetune", str(tmp_path / "run"), "--squad-share", "1.5"]) == 2
     assert "--squad-share must be between 0 and 1, got 1.5" in capsys.readouterr().err
+
+
+def _answers_file(path, dataset, records):
+    path.write_text("\n".join(json.dumps(x) for x in [{"settings": {"dataset": dataset}}, *records]) + "\n")
+    return path
+
+
+def test_full_mode_answers_become_the_targets_of_the_squad_questions_they_get_right(squad_file, tmp_path):
+    """`finetune --squad-answers`: a SQuAD question's target becomes the first sentence of full mode's answer
+    when that sentence is whole and holds a gold answer; other SQuAD questions are left out, generated ones kept."""
+    from kvrag.eval import data
+    from kvrag.train.finetune import with_full_mode_answers
+
+    asked = squad.questions("train", 5, 3, path=squad_file)
+    generated = data.generate("train", n=3, passages=5)
+    gold = [q.answers[0] for q in asked]
+    said = {asked[0].id: f"The value is {gold[0]}. It is also {gold[1]}.",  # right: its first sentence
+            asked[1].id: f"The value is {gold[0]}.",  # names another question's answer
+            asked[2].id: f"The value is {gold[2]} and",  # cut off before its sentence ended
+            asked[3].id: f"Its value is {gold[3]}!"}  # right; asked[4] has no answer at all
+    records = [{"method": "full", "id": i, "output": o} for i, o in said.items()]
+    records.append({"method": "block", "id": asked[4].id, "output": f"It is {gold[4]}."})  # not full mode's
+    dataset = {"corpus": "squad", "split": "train", "passages": 3, "seed": 0}
+    kept = with_full_mode_answers(generated + asked, _answers_file(tmp_path / "a.jsonl", dataset, records))
+    assert kept[:3] == generated
+    assert [(q.id, q.target) for q in kept[3:]] == [(asked[0].id, f"The value is {gold[0]}."),
+                                                    (asked[3].id, f"Its value is {gold[3]}!")]
+    assert [q.passages for q in kept[3:]] == [asked[0].passages, asked[3].passages]
+
+
+@pytest.mark.parametrize("dataset, lines, message", [
+    ({"corpus": "squad", "split": "dev"}, [], "SQuAD's train questions are needed"),
+    ({"split": "train", "passages": 10}, [], "SQuAD's train questions are needed"),
+    ({"corpus": "squad", "split": "train"}, [{"method": "full", "id": "x", "output": "No."}], "holds no right full-mode answer"),
+    ({"corpus": "squad", "split": "train"}, ["[1, 2]"], "is not a kvrag answers file"),
+])
+def test_a_wrong_answers_file_for_squad_targets_is_a_clear_error(squad_file, tmp_path, dataset, lines, message):
+    from kvrag.train.finetune import with_full_mode_answers
+
+    path = _answers_file(tmp_path / "a.jsonl", dataset, [])
+    path.write_text(path.read_text() + "".join((x if isinstance(x, str) else json.dumps(x)) + "\n" for x in lines))
+    with pytest.raises(ValueError, match=message):
+        with_full_mode_answers(squad.questions("train", 3, 3, path=squad_file), path)
+    with pytest.raises(ValueError, match="is not a kvrag answers file"):
+        with_full_mode_answers([], tmp_path / "missing.jsonl")

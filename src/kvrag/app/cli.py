@@ -380,7 +380,8 @@ def cmd_bench_accuracy(args):
 def cmd_finetune(args):
     from kvrag import BlendConfig
     from kvrag.eval import data, squad
-    from kvrag.train.finetune import TrainConfig, train, training_examples, with_short_contexts, with_unanswerable_share
+    from kvrag.train.finetune import (TrainConfig, train, training_examples, with_full_mode_answers, with_short_contexts,
+                                      with_unanswerable_share)
 
     config = TrainConfig(steps=args.steps, learning_rate=args.lr, accumulate=args.accumulate, lora_r=args.lora_r,
                          lora_alpha=2 * args.lora_r, full=args.full, full_attention_share=args.full_attention_share,
@@ -398,19 +399,26 @@ def cmd_finetune(args):
                "seed": args.seed, "prose": args.prose}
     questions = with_unanswerable_share(data.generate(**dataset), args.unanswerable_share) if dataset["n"] else []
     if from_squad:  # hand-written text, answered by its SQuAD span
-        questions += squad.questions("train", from_squad, args.passages, args.seed)
+        questions += squad.questions("train", from_squad, args.squad_passages or args.passages, args.seed)
+        if args.squad_answers:
+            questions = with_full_mode_answers(questions, args.squad_answers)
+            from_squad = sum(q.id.startswith("squad-") for q in questions)
     questions = with_short_contexts(questions, args.short_share, args.seed)
     layouts = _layouts(args.prompts)
     engine = _engine(args, blend=BlendConfig(select=args.blend_select))
     examples = training_examples(engine, questions, config.full_attention_share, config.seed, layouts, config.blend_share)
     print(f"fine-tuning on {len(examples)} train questions x {args.passages} passages "
-          f"({f'{from_squad} from SQuAD, ' if from_squad else ''}{args.unanswerable_share:.0%} of the generated unanswerable), "
+          f"({f'{from_squad} from SQuAD x {args.squad_passages or args.passages} paragraphs, ' if from_squad else ''}{args.unanswerable_share:.0%} of the generated unanswerable), "
           f"{'every weight' if args.full else f'LoRA r={args.lora_r}'}, {args.steps} steps of {args.accumulate} examples")
     about = {"dataset": dataset, "unanswerable_share": args.unanswerable_share, "model": args.model or "default"}
     if args.short_share:
         about["short_share"] = args.short_share
     if from_squad:
         about["squad"] = from_squad
+        if args.squad_passages:
+            about["squad_passages"] = args.squad_passages
+        if args.squad_answers:
+            about["squad_answers"] = Path(args.squad_answers).name
     if layouts != ["kvrag"]:
         about["layouts"] = layouts
     if args.blend_share:
@@ -552,6 +560,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--squad-share", type=float, default=0.0,
                    help="share of the questions taken from SQuAD v1.1's train file instead (hand-written, on "
                         "Wikipedia; the answer is its span), each with --passages paragraphs of its article")
+    p.add_argument("--squad-passages", type=int,
+                   help="paragraphs per SQuAD question, 2-30: shorter prompts, more of them an hour (default: --passages)")
+    p.add_argument("--squad-answers", metavar="FILE",
+                   help="answers of `bench accuracy --squad --split train --methods full`: each SQuAD question is trained "
+                        "toward the first sentence of its answer there if that holds a gold answer, and left out "
+                        "otherwise (default: toward the bare answer span)")
     p.add_argument("--short-share", type=float, default=0.0,
                    help="share of questions cut to their gold passages and 0-3 distractors, so short prompts are seen too")
     p.add_argument("--steps", type=int, default=TRAIN_DEFAULTS["steps"], help="optimizer steps")

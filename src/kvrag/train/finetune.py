@@ -21,6 +21,7 @@ import contextlib
 import itertools
 import json
 import random
+import re
 import shutil
 import time
 import warnings
@@ -35,6 +36,7 @@ from transformers import get_linear_schedule_with_warmup
 from kvrag import attention
 from kvrag.blend import BlendConfig, fresh_kv, most_deviating, question_attention, sink_positions
 from kvrag.eval.layouts import LAYOUTS, OWN, check_layouts
+from kvrag.eval.metrics import answer_in_output
 from kvrag.prompt import Prompt
 
 IGNORE = -100  # label of tokens the loss skips
@@ -167,6 +169,36 @@ def with_short_contexts(qa_examples, share: float, seed: int = 0, most_distracto
         others = [i for i in range(len(q.passages)) if i not in q.gold]
         kept = sorted([*q.gold, *draw.sample(others, draw.randint(0, min(most_distractors, len(others))))])
         out.append(replace(q, passages=tuple(q.passages[i] for i in kept), gold=tuple(kept.index(g) for g in q.gold)))
+    return out
+
+
+def with_full_mode_answers(qa_examples, results: str | Path) -> list:
+    """Each SQuAD question trained toward the first sentence of full mode's answer to it in `results` (a
+    `kvrag bench accuracy --squad --split train` answers file) when that sentence holds a gold answer;
+    the SQuAD questions without such an answer are left out, the generated ones kept as they are.
+
+    SQuAD's answer is a bare span, which the model never answers with: trained on it, block mode
+    learns that style before it learns to read."""
+    path = Path(results)
+    try:
+        first, *rest = path.read_text(encoding="utf-8").splitlines()
+        dataset = json.loads(first)["settings"]["dataset"]
+        records = [json.loads(line) for line in rest if line.strip()]
+        answers = {r["id"]: r["output"] for r in records if r.get("method") == "full"}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise ValueError(f"{path} is not a kvrag answers file: {exc!r}") from None
+    if dataset.get("corpus") != "squad" or dataset.get("split") != "train":
+        raise ValueError(f"{path} answers {dataset}; SQuAD's train questions are needed (bench accuracy --squad --split train)")
+    out = []
+    for q in qa_examples:
+        if not q.id.startswith("squad-"):
+            out.append(q)
+            continue
+        said = re.split(r"(?<=[.!?])\s", answers.get(q.id, "").strip(), maxsplit=1)[0]
+        if said.endswith((".", "!", "?")) and answer_in_output(said, q.answers):  # a whole sentence, and right
+            out.append(replace(q, target=said))
+    if len(out) == sum(not q.id.startswith("squad-") for q in qa_examples):
+        raise ValueError(f"{path} holds no right full-mode answer to any of these SQuAD questions")
     return out
 
 
