@@ -134,6 +134,7 @@ def test_full_mode_answers_become_the_targets_of_the_squad_questions_they_get_ri
     ({"split": "train", "passages": 10}, [], "SQuAD's train questions are needed"),
     ({"corpus": "squad", "split": "train"}, [{"method": "full", "id": "x", "output": "No."}], "holds no right full-mode answer"),
     ({"corpus": "squad", "split": "train"}, ["[1, 2]"], "is not a kvrag answers file"),
+    (["squad", "train"], [], "is not a kvrag answers file"),
 ])
 def test_a_wrong_answers_file_for_squad_targets_is_a_clear_error(squad_file, tmp_path, dataset, lines, message):
     from kvrag.train.finetune import with_full_mode_answers

@@ -398,7 +398,7 @@ def cmd_finetune(args):
     dataset = {"split": "train", "n": args.questions - from_squad, "passages": args.passages, "noise": args.noise,
                "seed": args.seed, "prose": args.prose}
     questions = with_unanswerable_share(data.generate(**dataset), args.unanswerable_share) if dataset["n"] else []
-    if from_squad:  # hand-written text, answered by its SQuAD span
+    if from_squad:  # hand-written text, answered by its SQuAD span or in full mode's words
         questions += squad.questions("train", from_squad, args.squad_passages or args.passages, args.seed)
         if args.squad_answers:
             questions = with_full_mode_answers(questions, args.squad_answers)

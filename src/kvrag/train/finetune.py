@@ -183,11 +183,12 @@ def with_full_mode_answers(qa_examples, results: str | Path) -> list:
     try:
         first, *rest = path.read_text(encoding="utf-8").splitlines()
         dataset = json.loads(first)["settings"]["dataset"]
+        asked = dataset.get("corpus"), dataset.get("split")
         records = [json.loads(line) for line in rest if line.strip()]
         answers = {r["id"]: r["output"] for r in records if r.get("method") == "full"}
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         raise ValueError(f"{path} is not a kvrag answers file: {exc!r}") from None
-    if dataset.get("corpus") != "squad" or dataset.get("split") != "train":
+    if asked != ("squad", "train"):
         raise ValueError(f"{path} answers {dataset}; SQuAD's train questions are needed (bench accuracy --squad --split train)")
     out = []
     for q in qa_examples:
