@@ -333,11 +333,13 @@ def _pilots(monkeypatch, capsys):
     out = run_snippet("layouts.md", "dev-pilot4-", monkeypatch, capsys).splitlines()
     rows = {line.split(" | ")[0].removeprefix("| "): line for line in out if line.startswith("| ")}
     gains = {}
-    for line in out[len(rows):]:
+    for line in out[len(rows):-1]:
         pair, cells = line.split(": ", 1)
         gains[tuple(pair.split(" − "))] = tuple(cell.split(" ", 2)[-1] for cell in cells.split(", "))
-    assert list(rows) == ["adapter", "shipped", "second pilot", "third pilot", "fourth pilot"] and len(gains) == 4
-    return rows, gains
+    assert list(rows) == ["adapter", "shipped", "second pilot", "third pilot", "fourth pilot", "fifth pilot"]
+    assert len(gains) == 6
+    words = dict(cell.rsplit(" ", 1) for cell in out[-1].removeprefix("median words of the SQuAD dev block answers: ").split(", "))
+    return rows, gains, {name: int(n) for name, n in words.items()}
 
 
 def _cells(row):  # a table row's cells after the adapter's name
@@ -348,7 +350,7 @@ def test_the_answer_files_reproduce_the_third_pilot(monkeypatch, capsys):
     """The pilots' snippet prints the third pilot's table and the intervals its text quotes; its rows for
     the shipped adapter and the second pilot agree with the sixth stage's, and the counts the rule reads
     (refusals, bridge questions, both dev gains) are what its judgement says."""
-    rows, gains = _pilots(monkeypatch, capsys)
+    rows, gains, _ = _pilots(monkeypatch, capsys)
     section = _fourth_stage().split("### A third pilot:")[1].split("### A fourth pilot:")[0]
     assert all(rows[name] in section for name in ("adapter", "shipped", "second pilot", "third pilot"))
     assert [_cells(rows[name])[1] for name in ("shipped", "second pilot")] == ["34.8", "26.9"]  # the sixth stage's table
@@ -363,8 +365,8 @@ def test_the_answer_files_reproduce_the_third_pilot(monkeypatch, capsys):
 def test_the_answer_files_reproduce_the_fourth_pilot(monkeypatch, capsys):
     """The pilots' snippet prints the fourth pilot's row and intervals as its section quotes them, and
     the rule's judgement follows from them: the refusals and hops kept, not a starting point."""
-    rows, gains = _pilots(monkeypatch, capsys)
-    section = _fourth_stage().split("### A fourth pilot:")[1]
+    rows, gains, _ = _pilots(monkeypatch, capsys)
+    section = _fourth_stage().split("### A fourth pilot:")[1].split("### A fifth pilot:")[0]
     assert all(rows[name] in section for name in ("adapter", "shipped", "third pilot", "fourth pilot"))
     fourth, shipped = _cells(rows["fourth pilot"]), _cells(rows["shipped"])
     assert int(fourth[5]) >= 20 and int(shipped[3]) - int(fourth[3]) <= 20
@@ -372,6 +374,26 @@ def test_the_answer_files_reproduce_the_fourth_pilot(monkeypatch, capsys):
     assert _points(squad) <= 2 and _points(generated) < -2  # not a starting point
     assert f"Fourth pilot − shipped: SQuAD dev {squad}, generated dev {generated} points" in section
     assert "pilot: SQuAD dev {}, generated dev {} (paired".format(*gains["fourth pilot", "third pilot"]) in section
+
+
+def test_the_answer_files_reproduce_the_fifth_pilot(monkeypatch, capsys):
+    """The pilots' snippet prints the fifth pilot's row, intervals and answer lengths as its section quotes
+    them; the rule's judgement follows from them (a starting point, refusals and hops kept); its training
+    record names the SQuAD questions it kept and how it asked them."""
+    rows, gains, words = _pilots(monkeypatch, capsys)
+    section = _fourth_stage().split("### A fifth pilot:")[1].split("### The rule for a sixth stage, with")[0]
+    assert all(rows[name] in section for name in ("adapter", "shipped", "fourth pilot", "fifth pilot"))
+    fifth, shipped = _cells(rows["fifth pilot"]), _cells(rows["shipped"])
+    assert int(fifth[5]) >= 20 and int(shipped[3]) - int(fifth[3]) <= 20
+    squad, generated = gains["fifth pilot", "shipped"]
+    assert _points(squad) > 2 and _points(generated) >= -2  # a starting point
+    assert f"Fifth pilot − shipped: SQuAD dev {squad}, generated dev {generated} points" in section
+    assert "pilot: SQuAD dev {}, generated dev {} (paired".format(*gains["fifth pilot", "fourth pilot"]) in section
+    assert f"(median {words['shipped']} words)" in section and words["fifth pilot"] == words["shipped"]
+    assert max(words[f"{n} pilot"] for n in ("second", "third", "fourth")) <= 3
+    record = json.loads((ROOT / "docs/results/sixth-stage-pilot/pilot5-training.json").read_text())
+    assert record["step"] == 160 and record["about"]["squad"] == 437 and record["about"]["squad_passages"] == 3
+    assert "437 of them in a whole first sentence" in " ".join(section.split())
 
 
 def test_the_answer_files_reproduce_the_partial_squad_figures_of_the_published_weights(monkeypatch, capsys):
