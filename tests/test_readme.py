@@ -396,6 +396,19 @@ def test_the_answer_files_reproduce_the_fifth_pilot(monkeypatch, capsys):
     assert "437 of them in a whole first sentence" in " ".join(section.split())
 
 
+def test_the_answer_files_reproduce_criterion_1_with_the_fifth_pilot(monkeypatch, capsys):
+    """The snippet under the sixth stage's rule with the fifth pilot prints its table and interval, and
+    the judgement follows: block not more than 2 below the shipped adapter's, blend − block neither."""
+    out = run_snippet("layouts.md", "sixth-stage-pilot5/dev-blend-", monkeypatch, capsys).splitlines()
+    section = _fourth_stage().split("### The rule for a sixth stage, with the fifth pilot")[1]
+    assert len(out) == 3 and out[0] in section and out[1] in section
+    shipped, pilot = (float(row.split(" | ")[1]) for row in out[:2])
+    assert pilot - shipped >= -2 and "criterion 1 passes" in section
+    change, blend = out[2].removeprefix("(blend − block) − shipped's ").split(", blend − shipped's ")
+    assert _points(change) >= -2 and f"(Blend − block) − shipped's: {change} points" in section
+    assert f"(blend itself {blend} over" in section
+
+
 def test_the_answer_files_reproduce_the_partial_squad_figures_of_the_published_weights(monkeypatch, capsys):
     """The second SQuAD snippet prints what its paragraph says: the first questions answered in
     every layout with the published weights, their accuracies and paired differences."""
