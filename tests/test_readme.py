@@ -346,6 +346,13 @@ def _cells(row):  # a table row's cells after the adapter's name
     return [cell.rstrip(" |") for cell in row.split(" | ")[1:]]
 
 
+def _keeps_refusals_and_hops(rows, pilot):
+    """The pilots' rules, read beside them: at least 20 of 400 unanswerable declined, and bridge
+    questions no more than 20 below the shipped adapter's."""
+    mine, shipped = _cells(rows[pilot]), _cells(rows["shipped"])
+    return int(mine[5]) >= 20 and int(shipped[3]) - int(mine[3]) <= 20
+
+
 def test_the_answer_files_reproduce_the_third_pilot(monkeypatch, capsys):
     """The pilots' snippet prints the third pilot's table and the intervals its text quotes; its rows for
     the shipped adapter and the second pilot agree with the sixth stage's, and the counts the rule reads
@@ -368,8 +375,7 @@ def test_the_answer_files_reproduce_the_fourth_pilot(monkeypatch, capsys):
     rows, gains, _ = _pilots(monkeypatch, capsys)
     section = _fourth_stage().split("### A fourth pilot:")[1].split("### A fifth pilot:")[0]
     assert all(rows[name] in section for name in ("adapter", "shipped", "third pilot", "fourth pilot"))
-    fourth, shipped = _cells(rows["fourth pilot"]), _cells(rows["shipped"])
-    assert int(fourth[5]) >= 20 and int(shipped[3]) - int(fourth[3]) <= 20
+    assert _keeps_refusals_and_hops(rows, "fourth pilot")
     squad, generated = gains["fourth pilot", "shipped"]
     assert _points(squad) <= 2 and _points(generated) < -2  # not a starting point
     assert f"Fourth pilot − shipped: SQuAD dev {squad}, generated dev {generated} points" in section
@@ -383,8 +389,7 @@ def test_the_answer_files_reproduce_the_fifth_pilot(monkeypatch, capsys):
     rows, gains, words = _pilots(monkeypatch, capsys)
     section = _fourth_stage().split("### A fifth pilot:")[1].split("### The rule for a sixth stage, with")[0]
     assert all(rows[name] in section for name in ("adapter", "shipped", "fourth pilot", "fifth pilot"))
-    fifth, shipped = _cells(rows["fifth pilot"]), _cells(rows["shipped"])
-    assert int(fifth[5]) >= 20 and int(shipped[3]) - int(fifth[3]) <= 20
+    assert _keeps_refusals_and_hops(rows, "fifth pilot")
     squad, generated = gains["fifth pilot", "shipped"]
     assert _points(squad) > 2 and _points(generated) >= -2  # a starting point
     assert f"Fifth pilot − shipped: SQuAD dev {squad}, generated dev {generated} points" in section

@@ -398,8 +398,9 @@ def cmd_finetune(args):
     dataset = {"split": "train", "n": args.questions - from_squad, "passages": args.passages, "noise": args.noise,
                "seed": args.seed, "prose": args.prose}
     questions = with_unanswerable_share(data.generate(**dataset), args.unanswerable_share) if dataset["n"] else []
+    squad_passages = args.squad_passages or args.passages
     if from_squad:  # hand-written text, answered by its SQuAD span or in full mode's words
-        questions += squad.questions("train", from_squad, args.squad_passages or args.passages, args.seed)
+        questions += squad.questions("train", from_squad, squad_passages, args.seed)
         if args.squad_answers:
             questions = with_full_mode_answers(questions, args.squad_answers)
             from_squad = sum(q.id.startswith("squad-") for q in questions)
@@ -408,7 +409,7 @@ def cmd_finetune(args):
     engine = _engine(args, blend=BlendConfig(select=args.blend_select))
     examples = training_examples(engine, questions, config.full_attention_share, config.seed, layouts, config.blend_share)
     print(f"fine-tuning on {len(examples)} train questions x {args.passages} passages "
-          f"({f'{from_squad} from SQuAD x {args.squad_passages or args.passages} paragraphs, ' if from_squad else ''}{args.unanswerable_share:.0%} of the generated unanswerable), "
+          f"({f'{from_squad} from SQuAD x {squad_passages} paragraphs, ' if from_squad else ''}{args.unanswerable_share:.0%} of the generated unanswerable), "
           f"{'every weight' if args.full else f'LoRA r={args.lora_r}'}, {args.steps} steps of {args.accumulate} examples")
     about = {"dataset": dataset, "unanswerable_share": args.unanswerable_share, "model": args.model or "default"}
     if args.short_share:

@@ -19,6 +19,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from kvrag import BlendConfig, KVRagError
+from kvrag.modes import CAUSAL_MODES
 
 from . import chains
 from .data import QUESTION_TYPES, QAExample
@@ -29,7 +30,6 @@ from .ttft import flops_blend, flops_to_first_token, layer_flops
 METHODS = ("full", "map_reduce", "map_rerank", "block", "blend", "composite")
 """What `evaluate` runs by default; `EXTRA_METHODS` can be asked for by name."""
 EXTRA_METHODS = ("prefix", "blend_values", "blend_deviation")
-REUSING = ("block", "blend", "composite", "blend_values", "blend_deviation")  # the methods that read indexed passages' KV
 
 
 @dataclass
@@ -130,6 +130,8 @@ RUNNERS: dict[str, Callable] = {
 
 MODE_METHODS = ("full", "block", "blend", "composite", "prefix", "blend_values", "blend_deviation")
 """The methods that answer from one prompt, so that any prompt layout applies; the chains write their own."""
+REUSING = tuple(m for m in MODE_METHODS if m not in CAUSAL_MODES)
+"""The methods that read the indexed passages' KV (the rest prefill every token)."""
 
 
 def check_methods(methods: Sequence[str], layouts: Sequence[str] = (OWN,)) -> None:
