@@ -430,10 +430,11 @@ def test_the_answer_files_reproduce_criterion_2_with_the_fifth_pilot(monkeypatch
 
 
 def test_the_answer_files_reproduce_the_readme_accuracy_tables(monkeypatch, capsys):
-    """The sixth stage's snippet in the set-up users get prints the README's table (two corpora) and the costs of
-    the question first that the README and the section quote, and the section's judgement of the
-    targets follows from the rows: met everywhere on the generated worlds; on SQuAD missed nowhere,
-    blend met where the section says, block shown met nowhere, block below full where it says."""
+    """The sixth stage's snippet in the set-up users get prints the README's table (both corpora), the
+    costs of the question first and blend's gain over block that the README and the section quote, and
+    the section's judgement of the targets follows from the rows: met everywhere on the generated
+    worlds; on SQuAD missed nowhere, blend met where the section says, block shown met nowhere, block
+    below full where it says."""
     out = run_snippet("layouts.md", 'answers("sixth-stage-pilot5/squad-*")', monkeypatch, capsys).splitlines()
     readme = " ".join(README.read_text(encoding="utf-8").split())
     section = _fourth_stage().split("### The sixth stage in the set-up users get")[1]
@@ -461,6 +462,22 @@ def test_the_answer_files_reproduce_the_readme_accuracy_tables(monkeypatch, caps
     gain = [line.removeprefix("blend − block: ") for line in out if line.startswith("blend − block")]
     assert f"Blend − block, pooled: {gain[0]} on the generated worlds, {gain[1]} on SQuAD" in section
     assert f"loses {first[0]} points in block mode and {first[1]} in blend on the generated worlds, {first[2]} and {first[3]} on SQuAD" in section
+
+
+def test_the_answer_files_reproduce_the_sixth_stage_in_full_mode(monkeypatch, capsys):
+    """The sixth stage's full-mode snippet prints its table and its changes from the fourth stage as the
+    section gives them; block − full lies below −2 with its whole interval on every layout, as the text
+    judges, and "What is left" quotes the pooled row."""
+    out = run_snippet("layouts.md", "full-adapter-squad-", monkeypatch, capsys).splitlines()
+    section = _fourth_stage().split("### The sixth stage in full mode too")[1]
+    rows = [line.split(" | ") for line in out if line.startswith("| ")]
+    assert len(rows) == 9 and all(line in section for line in out if line.startswith("| "))
+    assert all(f"- {line}" in section for line in out if not line.startswith("| "))
+    assert all(_points(row[5]) + float(row[5].split(" ± ")[1]) < -2 for row in rows)
+    text = (ROOT / "docs" / "layouts.md").read_text(encoding="utf-8")
+    left = " ".join(text[text.index("## What is left"):].split())
+    assert f"block trails full by {rows[-1][5].lstrip('−')} points on SQuAD (150 questions per layout" in left
+    assert f"({rows[-1][5]} pooled, then −16.6 ± 5.1)" in section and rows[0][1] == "150"
 
 
 def test_the_answer_files_reproduce_the_partial_squad_figures_of_the_published_weights(monkeypatch, capsys):
