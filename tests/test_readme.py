@@ -163,6 +163,12 @@ def _points(cell):
     return float(cell.split(" ± ")[0].replace("−", "-"))
 
 
+def _ends(cell):
+    """The lower and upper ends of a "−2.5 ± 3.5" cell, in points."""
+    half = float(cell.rstrip(" |").split(" ± ")[1])
+    return _points(cell) - half, _points(cell) + half
+
+
 def _squad_table(name, monkeypatch, capsys):
     """The rows the snippet reading docs/results/`name`.jsonl.gz prints, each found in the doc; the file
     answers the first n SQuAD test questions (n: the table's) in every layout and mode, and only those."""
@@ -275,7 +281,7 @@ def test_the_answer_file_reproduces_the_squad_table_on_the_first_questions_of_th
     layout, as the text says."""
     rows = _squad_table("squad-test-fourth", monkeypatch, capsys)
     n = int(rows[0][1])
-    assert n == 150 and all(_points(row[5]) + float(row[5].split(" ± ")[1]) < -2 for row in rows)
+    assert n == 150 and all(_ends(row[5])[1] < -2 for row in rows)
 
 
 def test_the_answer_file_reproduces_the_squad_table_of_the_default_set_up(monkeypatch, capsys):
@@ -283,7 +289,7 @@ def test_the_answer_file_reproduces_the_squad_table_of_the_default_set_up(monkey
     full lies wholly below −2 on `numbered` alone, as the text judges."""
     rows = _squad_table("squad-test-default", monkeypatch, capsys)
     assert rows[0][1] == "400"
-    below = [row[0].strip("| ") for row in rows if _points(row[5]) + float(row[5].split(" ± ")[1]) < -2]
+    below = [row[0].strip("| ") for row in rows if _ends(row[5])[1] < -2]
     assert below == ["numbered"]
 
 
@@ -445,16 +451,13 @@ def test_the_answer_files_reproduce_the_readme_accuracy_tables(monkeypatch, caps
         assert " | ".join([generated[0], " / ".join(generated[1:4]), generated[4], generated[5].rstrip(" |"),
                            " / ".join(squad[1:4]), *squad[4:]]) in readme
 
-    def lowest(cell):  # the lower end of an interval
-        return _points(cell) - float(cell.rstrip(" |").split(" ± ")[1])
-
     def layouts(rows, keep):
         return [row[0].strip("| `*") for row in rows if keep(row)]
 
-    assert all(lowest(row[4]) > 14 and lowest(row[5]) > 14 for row in tables["generated"])
+    assert all(_ends(row[4])[0] > 14 and _ends(row[5])[0] > 14 for row in tables["generated"])
     squad = tables["squad"]
-    assert all(lowest(row[4]) < -2 <= _points(row[4]) and _points(row[5]) > 0 for row in squad)  # block: none shown met
-    met, below = layouts(squad, lambda row: lowest(row[5]) >= -1), layouts(squad, lambda row: _points(row[4]) < 0)
+    assert all(_ends(row[4])[0] < -2 <= _points(row[4]) and _points(row[5]) > 0 for row in squad)  # block: none shown met
+    met, below = layouts(squad, lambda row: _ends(row[5])[0] >= -1), layouts(squad, lambda row: _points(row[4]) < 0)
     assert len(met) == 3 and f"Blend − full ≥ −1 is met on `{met[0]}`, `{met[1]}` and {met[2]}," in section
     assert below[0] == "kvrag" and f"on three layouts (kvrag's own, `{below[1]}`, `{below[2]}`), blend's on none" in section
     first = [line.split(": ")[1].lstrip("−") for line in out if line.startswith("question first")]
@@ -473,7 +476,7 @@ def test_the_answer_files_reproduce_the_sixth_stage_in_full_mode(monkeypatch, ca
     rows = [line.split(" | ") for line in out if line.startswith("| ")]
     assert len(rows) == 9 and all(line in section for line in out if line.startswith("| "))
     assert all(f"- {line}" in section for line in out if not line.startswith("| "))
-    assert all(_points(row[5]) + float(row[5].split(" ± ")[1]) < -2 for row in rows)
+    assert all(_ends(row[5])[1] < -2 for row in rows)
     text = (ROOT / "docs" / "layouts.md").read_text(encoding="utf-8")
     left = " ".join(text[text.index("## What is left"):].split())
     assert f"block trails full by {rows[-1][5].lstrip('−')} points on SQuAD (150 questions per layout" in left
