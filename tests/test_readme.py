@@ -435,6 +435,19 @@ def test_the_answer_files_reproduce_criterion_2_with_the_fifth_pilot(monkeypatch
     assert shipped.read_bytes() == pilot.read_bytes()
 
 
+def test_the_answer_files_reproduce_criterion_1_of_the_seventh_stage(monkeypatch, capsys):
+    """The seventh stage's dev snippet prints its table and interval as the section gives them, and the
+    judgement follows: SQuAD dev block above the sixth stage's, generated dev block and blend − block
+    neither more than 2 points below."""
+    out = run_snippet("layouts.md", "seventh-stage-pilot/squad-dev-", monkeypatch, capsys).splitlines()
+    section = _fourth_stage().split("## The rule for a seventh stage")[1]
+    assert len(out) == 4 and all(row in section for row in out[:3])
+    gains = [float(row.split(" | ")[3]) - float(row.split(" | ")[2]) for row in out[:3]]
+    gap = out[3].removeprefix("(blend − block) − the sixth stage's: ")
+    assert gains[0] > 0 and gains[1] >= -2 and _points(gap) >= -2
+    assert f"(Blend − block) − the sixth stage's: {gap} points" in section and "criterion 1 passes" in section
+
+
 def test_the_answer_files_reproduce_the_readme_accuracy_tables(monkeypatch, capsys):
     """The sixth stage's snippet in the set-up users get prints the README's table (both corpora), the
     costs of the question first and blend's gain over block that the README and the section quote, and
