@@ -448,6 +448,22 @@ def test_the_answer_files_reproduce_criterion_1_of_the_seventh_stage(monkeypatch
     assert f"(Blend − block) − the sixth stage's: {gap} points" in section and "criterion 1 passes" in section
 
 
+def test_the_answer_files_reproduce_criterion_2_of_the_seventh_stage(monkeypatch, capsys):
+    """The seventh stage's test snippet prints its table as the section gives it; its accuracy part
+    passes (SQuAD test block above the sixth stage's, generated test block and blend neither more than
+    1 point below), the section records the e2e failure that kept it from shipping, and the shipped
+    adapter is not the candidate."""
+    out = run_snippet("layouts.md", "criterion 2 (before pytest -m e2e)", monkeypatch, capsys).splitlines()
+    section = _fourth_stage().split("## The rule for a seventh stage")[1]
+    assert len(out) == 4 and all(row in section for row in out[:3])
+    gains = [float(row.split(" | ")[3]) - float(row.split(" | ")[2]) for row in out[:3]]
+    assert gains[0] > 0 and min(gains[1:]) >= -1 and out[3].endswith(": passes")
+    assert "`pytest -m e2e` failed" in section and "the candidate is not shipped" in section
+    shipped, candidate = (ROOT / path / "adapter_model.safetensors" for path in (
+        "src/kvrag/adapters/smollm2-135m-instruct-block", "docs/results/seventh-stage-pilot/adapter"))
+    assert shipped.read_bytes() != candidate.read_bytes()
+
+
 def test_the_answer_files_reproduce_the_readme_accuracy_tables(monkeypatch, capsys):
     """The sixth stage's snippet in the set-up users get prints the README's table (both corpora), the
     costs of the question first and blend's gain over block that the README and the section quote, and
