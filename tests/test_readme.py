@@ -242,7 +242,7 @@ def test_the_answer_files_reproduce_the_sixth_stages_held_out_table(monkeypatch,
     """The sixth stage's held-out snippet prints its table and its changes from the fourth stage as the
     section gives them; the README quotes both apps' counts over their layouts; every block and blend
     answer reused KV."""
-    out = run_snippet("layouts.md", "heldout-sixth-stage-", monkeypatch, capsys).splitlines()
+    out = run_snippet("layouts.md", "sixth = answers(f\"heldout-sixth-stage-", monkeypatch, capsys).splitlines()
     section = _fourth_stage().split("### The sixth stage in the set-up users get")[1]
     rows = [line for line in out if line.startswith("| ")]
     assert len(rows) == 8 and all(row in section for row in rows)
@@ -462,6 +462,14 @@ def test_the_answer_files_reproduce_criterion_2_of_the_seventh_stage(monkeypatch
     shipped, candidate = (ROOT / path / "adapter_model.safetensors" for path in (
         "src/kvrag/adapters/smollm2-135m-instruct-block", "docs/results/seventh-stage-pilot/adapter"))
     assert shipped.read_bytes() != candidate.read_bytes()
+
+
+def test_the_answer_files_reproduce_the_seventh_stage_candidates_held_out_figures(monkeypatch, capsys):
+    """The candidate's held-out snippet prints the four lines the section lists, from answers that all
+    reused KV and, through LlamaIndex, the sixth stage's nodes."""
+    out = run_snippet("layouts.md", "\"seventh-stage-pilot/heldout\"", monkeypatch, capsys).splitlines()
+    section = _fourth_stage().split("## The rule for a seventh stage")[1]
+    assert len(out) == 4 and all(f"- {line}" in section for line in out)
 
 
 def test_the_answer_files_reproduce_the_readme_accuracy_tables(monkeypatch, capsys):
