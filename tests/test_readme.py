@@ -472,6 +472,18 @@ def test_the_answer_files_reproduce_the_seventh_stage_candidates_held_out_figure
     assert len(out) == 4 and all(f"- {line}" in section for line in out)
 
 
+def test_the_answer_files_reproduce_criterion_1_of_the_candidate_at_scale_1_5(monkeypatch, capsys):
+    """The scaled candidate's dev snippet prints its table and interval as the section gives them, and
+    the judgement follows: its generated dev block is more than 2 points below the sixth stage's."""
+    out = run_snippet("layouts.md", "seventh-stage-pilot/scale1.5/squad-dev-", monkeypatch, capsys).splitlines()
+    section = _fourth_stage().split("### The rule for the seventh stage's candidate at a lower scale")[1]
+    assert len(out) == 4 and all(row in section for row in out[:3])
+    gains = [float(row.split(" | ")[3]) - float(row.split(" | ")[2]) for row in out[:3]]
+    gap = out[3].removeprefix("(blend − block) − the sixth stage's at scale 1.5: ")
+    assert gains[1] < -2 and f"(Blend − block) − the sixth stage's: {gap} points" in section
+    assert "**criterion 1 fails**" in section
+
+
 def test_the_answer_files_reproduce_the_readme_accuracy_tables(monkeypatch, capsys):
     """The sixth stage's snippet in the set-up users get prints the README's table (both corpora), the
     costs of the question first and blend's gain over block that the README and the section quote, and
