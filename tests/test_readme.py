@@ -169,6 +169,11 @@ def _ends(cell):
     return _points(cell) - half, _points(cell) + half
 
 
+def _gains(rows):
+    """Candidate minus the adapter it is judged against, from "| corpus | mode | before | after | ... |" rows."""
+    return [float(row.split(" | ")[3]) - float(row.split(" | ")[2]) for row in rows]
+
+
 def _squad_table(name, monkeypatch, capsys):
     """The rows the snippet reading docs/results/`name`.jsonl.gz prints, each found in the doc; the file
     answers the first n SQuAD test questions (n: the table's) in every layout and mode, and only those."""
@@ -428,7 +433,7 @@ def test_the_answer_files_reproduce_criterion_2_with_the_fifth_pilot(monkeypatch
     out = run_snippet("layouts.md", "corpora = {  # corpus -> methods", monkeypatch, capsys).splitlines()
     section = _fourth_stage().split("### The rule for a sixth stage, with the fifth pilot")[1]
     assert len(out) == 3 and all(row in section for row in out)
-    gains = [float(row.split(" | ")[3]) - float(row.split(" | ")[2]) for row in out]
+    gains = _gains(out)
     assert gains[0] > 0 and min(gains[1:]) >= -1 and "the fifth pilot ships as the sixth stage" in section
     shipped, pilot = (ROOT / path / "adapter_model.safetensors" for path in (
         "src/kvrag/adapters/smollm2-135m-instruct-block", "docs/results/sixth-stage-pilot/pilot5-adapter"))
@@ -442,7 +447,7 @@ def test_the_answer_files_reproduce_criterion_1_of_the_seventh_stage(monkeypatch
     out = run_snippet("layouts.md", "seventh-stage-pilot/squad-dev-", monkeypatch, capsys).splitlines()
     section = _fourth_stage().split("## The rule for a seventh stage")[1]
     assert len(out) == 4 and all(row in section for row in out[:3])
-    gains = [float(row.split(" | ")[3]) - float(row.split(" | ")[2]) for row in out[:3]]
+    gains = _gains(out[:3])
     gap = out[3].removeprefix("(blend − block) − the sixth stage's: ")
     assert gains[0] > 0 and gains[1] >= -2 and _points(gap) >= -2
     assert f"(Blend − block) − the sixth stage's: {gap} points" in section and "criterion 1 passes" in section
@@ -456,7 +461,7 @@ def test_the_answer_files_reproduce_criterion_2_of_the_seventh_stage(monkeypatch
     out = run_snippet("layouts.md", "criterion 2 (before pytest -m e2e)", monkeypatch, capsys).splitlines()
     section = _fourth_stage().split("## The rule for a seventh stage")[1]
     assert len(out) == 4 and all(row in section for row in out[:3])
-    gains = [float(row.split(" | ")[3]) - float(row.split(" | ")[2]) for row in out[:3]]
+    gains = _gains(out[:3])
     assert gains[0] > 0 and min(gains[1:]) >= -1 and out[3].endswith(": passes")
     assert "`pytest -m e2e` failed" in section and "the candidate is not shipped" in section
     shipped, candidate = (ROOT / path / "adapter_model.safetensors" for path in (
@@ -478,7 +483,7 @@ def test_the_answer_files_reproduce_criterion_1_of_the_candidate_at_scale_1_5(mo
     out = run_snippet("layouts.md", "seventh-stage-pilot/scale1.5/squad-dev-", monkeypatch, capsys).splitlines()
     section = _fourth_stage().split("### The rule for the seventh stage's candidate at a lower scale")[1]
     assert len(out) == 4 and all(row in section for row in out[:3])
-    gains = [float(row.split(" | ")[3]) - float(row.split(" | ")[2]) for row in out[:3]]
+    gains = _gains(out[:3])
     gap = out[3].removeprefix("(blend − block) − the sixth stage's at scale 1.5: ")
     assert gains[1] < -2 and f"(Blend − block) − the sixth stage's: {gap} points" in section
     assert "**criterion 1 fails**" in section
