@@ -489,6 +489,21 @@ def test_the_answer_files_reproduce_criterion_1_of_the_candidate_at_scale_1_5(mo
     assert "**criterion 1 fails**" in section
 
 
+def test_the_eighth_stages_candidate_is_the_sixth_stage_plus_the_share_the_sample_check_chose(monkeypatch, capsys):
+    """The rule's snippet rebuilds the committed adapter from the two it lies between, at the largest
+    `t` tried whose 36 sample answers are all right, each answer judged against the sample's answers."""
+    out = run_snippet("layouts.md", "eighth-stage-pilot/adapter", monkeypatch, capsys)
+    check = json.loads((ROOT / "docs/results/eighth-stage-pilot/sample-check.json").read_text())
+    sample = {q["question"]: q["answers"] for q in json.loads((ROOT / "src/kvrag/sample/questions.json").read_text())}
+    assert [x["t"] for x in check["tried"]] == [0.75, 0.5, 0.25]
+    for x in check["tried"]:
+        assert len(x["answers"]) == 36 and {a["question"] for a in x["answers"]} == set(sample)
+        assert all(a["correct"] == any(s in a["answer"].lower() for s in sample[a["question"]]) for a in x["answers"])
+        assert x["right"] == sum(a["correct"] for a in x["answers"])
+    assert check["t"] == max(x["t"] for x in check["tried"] if x["right"] == 36)
+    assert out == f"the adapter is the sixth stage plus {check['t']} of the seventh stage's change\n"
+
+
 def test_the_answer_files_reproduce_the_readme_accuracy_tables(monkeypatch, capsys):
     """The sixth stage's snippet in the set-up users get prints the README's table (both corpora), the
     costs of the question first and blend's gain over block that the README and the section quote, and
