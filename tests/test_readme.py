@@ -504,6 +504,17 @@ def test_the_eighth_stages_candidate_is_the_sixth_stage_plus_the_share_the_sampl
     assert out == f"the adapter is the sixth stage plus {check['t']} of the seventh stage's change\n"
 
 
+def test_the_answer_files_reproduce_criterion_1_of_the_eighth_stage(monkeypatch, capsys):
+    """The eighth stage's dev snippet prints its table and interval as the section gives them, and passes."""
+    out = run_snippet("layouts.md", "eighth-stage-pilot/squad-dev-", monkeypatch, capsys).splitlines()
+    section = _fourth_stage().split("## The rule for an eighth stage")[1]
+    assert len(out) == 5 and all(row in section for row in out[:3])
+    gains = _gains(out[:3])
+    gap = out[3].removeprefix("(blend − block) − the sixth stage's, eighth stage's candidate: ")
+    assert gains[0] > 0 and gains[1] >= -2 and f"(Blend − block) − the sixth stage's: {gap} points" in section
+    assert out[4].endswith(": passes") and "**criterion 1 passes**" in section
+
+
 def test_the_answer_files_reproduce_the_readme_accuracy_tables(monkeypatch, capsys):
     """The sixth stage's snippet in the set-up users get prints the README's table (both corpora), the
     costs of the question first and blend's gain over block that the README and the section quote, and
