@@ -490,7 +490,7 @@ def test_the_answer_files_reproduce_criterion_1_of_the_candidate_at_scale_1_5(mo
 
 
 def test_the_eighth_stages_candidate_is_the_sixth_stage_plus_the_share_the_sample_check_chose(monkeypatch, capsys):
-    """The rule's snippet rebuilds the committed adapter from the two it lies between, at the largest
+    """The rule's snippet builds the adapter (not kept in git) from the two it lies between, at the largest
     `t` tried whose 36 sample answers are all right, each answer judged against the sample's answers."""
     out = run_snippet("layouts.md", "eighth-stage-pilot/adapter", monkeypatch, capsys)
     check = json.loads((ROOT / "docs/results/eighth-stage-pilot/sample-check.json").read_text())
