@@ -515,6 +515,19 @@ def test_the_answer_files_reproduce_criterion_1_of_the_eighth_stage(monkeypatch,
     assert out[4].endswith(": passes") and "**criterion 1 passes**" in section
 
 
+def test_the_answer_files_reproduce_criterion_2_of_the_eighth_stage(monkeypatch, capsys):
+    """The eighth stage's test snippet prints its table as the section gives it, judging only SQuAD
+    questions seed 0 did not ask; the judgement follows: SQuAD test block above the sixth stage's,
+    generated test block and blend neither 1 point below."""
+    out = run_snippet("layouts.md", "eighth-stage-pilot/sixth-squad-test-seed1-", monkeypatch, capsys).splitlines()
+    section = _fourth_stage().split("## The rule for an eighth stage")[1]
+    assert len(out) == 6 and out[0] == "SQuAD test: 378 questions judged of 400" and "22 were among seed 0's" in section
+    rows = [out[1], out[3], out[4]]
+    assert out[2] == "generated test: 400 questions judged of 400" and all(row in section for row in rows)
+    gains = _gains(rows)
+    assert gains[0] > 0 and min(gains[1:]) >= -1 and out[5] == "criterion 2: passes" and "**criterion 2 passes**" in section
+
+
 def test_the_answer_files_reproduce_the_readme_accuracy_tables(monkeypatch, capsys):
     """The sixth stage's snippet in the set-up users get prints the README's table (both corpora), the
     costs of the question first and blend's gain over block that the README and the section quote, and
