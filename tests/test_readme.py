@@ -569,6 +569,33 @@ def test_the_answer_files_reproduce_the_readme_accuracy_tables(monkeypatch, caps
     assert f"block {change[0]} and blend {change[1]} on the generated worlds, {change[2]} and {change[3]} on SQuAD" in section
 
 
+def test_the_answer_files_reproduce_the_778_question_reading_of_squad(monkeypatch, capsys):
+    """The 778-question snippet prints the section's table from the shipped adapter's answers; each
+    row's verdict follows from its two-look interval, the section and the "What is left" bullet name the
+    layouts it lists, and the README quotes the pooled interval and the per-layout range."""
+    out = run_snippet("layouts.md", "eighth-stage/published-squad-seed1-*", monkeypatch, capsys).splitlines()
+    text = (ROOT / "docs" / "layouts.md").read_text(encoding="utf-8")
+    section = " ".join(text.split("### SQuAD test, seed 1 too")[1].split("## What is left")[0].split())
+    left = " ".join(text.split("## What is left")[1].split())
+    assert len(out) == 15 and all(line in section for line in out[:11])
+    rows = [line.split(" | ") for line in out[2:11]]
+    for row in rows:
+        low, high = _ends(row[4])
+        verdict = row[5].rstrip(" |")  # the cells are rounded to 0.1: within 0.05 of −2 either way
+        assert {"shown met": low >= -2.05, "missed": high < -1.95, "neither": low < -1.95 and high >= -2.05}[verdict]
+    met = out[11].removeprefix("shown met: ").split(", ")
+    assert out[13] == "missed: nowhere" and len(met) == 3 and "**pooled**" in out[12]
+    assert f"**shown met on three layouts** ({', '.join(met)})" in section and f"three layouts ({', '.join(met)})" in left
+    below = out[14].removeprefix("block below the published full mode: ").split(", ")
+    assert all(_points(row[4]) < 0 for row in rows if row[0].strip("| ") in below) and len(below) == 4
+    assert f"on four layouts ({', '.join(below)}, by 0.5 to 1.8 points)" in section
+    pooled = rows[-1][4]
+    per_layout = sorted(_points(row[4]) for row in rows[:-1])
+    readme = " ".join(README.read_text(encoding="utf-8").split())
+    range_ = f"{per_layout[0]:+.1f} to {per_layout[-1]:+.1f}".replace("-", "−").lstrip("+")
+    assert f"block − full {pooled} pooled, {range_} per layout" in readme and f"pooled {pooled}" in left
+
+
 def test_the_answer_files_reproduce_the_eighth_stages_held_out_figures(monkeypatch, capsys):
     """The eighth stage's held-out snippet prints the lines the section lists, from answers that all
     reused KV and, through LlamaIndex, the sixth stage's nodes; the README quotes both apps' counts."""
