@@ -574,9 +574,8 @@ def test_the_answer_files_reproduce_the_778_question_reading_of_squad(monkeypatc
     row's verdict follows from its two-look interval, the section and the "What is left" bullet name the
     layouts it lists, and the README quotes the pooled interval and the per-layout range."""
     out = run_snippet("layouts.md", "eighth-stage/published-squad-seed1-*", monkeypatch, capsys).splitlines()
-    text = (ROOT / "docs" / "layouts.md").read_text(encoding="utf-8")
-    section = " ".join(text.split("### SQuAD test, seed 1 too")[1].split("## What is left")[0].split())
-    left = " ".join(text.split("## What is left")[1].split())
+    section = _fourth_stage().split("### SQuAD test, seed 1 too")[1]
+    left = " ".join((ROOT / "docs" / "layouts.md").read_text(encoding="utf-8").split("## What is left")[1].split())
     assert len(out) == 15 and all(line in section for line in out[:11])
     rows = [line.split(" | ") for line in out[2:11]]
     for row in rows:
