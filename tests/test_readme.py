@@ -492,15 +492,45 @@ def test_the_eighth_stages_candidate_is_the_sixth_stage_plus_the_share_the_sampl
     """The rule's snippet builds the adapter (not kept in git) from the two it lies between, at the largest
     `t` tried whose 36 sample answers are all right, each answer judged against the sample's answers."""
     out = run_snippet("layouts.md", "eighth-stage-pilot/adapter", monkeypatch, capsys)
-    check = json.loads((ROOT / "docs/results/eighth-stage-pilot/sample-check.json").read_text())
-    sample = {q["question"]: q["answers"] for q in json.loads((ROOT / "src/kvrag/sample/questions.json").read_text())}
+    check = _sample_check("eighth-stage-pilot")
     assert [x["t"] for x in check["tried"]] == [0.75, 0.5, 0.25]
-    for x in check["tried"]:
-        assert len(x["answers"]) == 36 and {a["question"] for a in x["answers"]} == set(sample)
-        assert all(a["correct"] == any(s in a["answer"].lower() for s in sample[a["question"]]) for a in x["answers"])
-        assert x["right"] == sum(a["correct"] for a in x["answers"])
     assert check["t"] == max(x["t"] for x in check["tried"] if x["right"] == 36)
     assert out == f"the adapter is the sixth stage plus {check['t']} of the seventh stage's change\n"
+
+
+def _sample_check(folder):
+    """A rule's sample-check.json, each of its 36 answers per candidate judged against the sample's answers."""
+    check = json.loads((ROOT / "docs/results" / folder / "sample-check.json").read_text())
+    sample = {q["question"]: q["answers"] for q in json.loads((ROOT / "src/kvrag/sample/questions.json").read_text())}
+    for x in check["tried"]:
+        assert len(x["answers"]) == 36 and {a["question"] for a in x["answers"]} == set(sample)
+        assert {(a["place"], a["chain"]) for a in x["answers"]} == {(p, c) for p in range(3) for c in ("kv_blocks", "stuff")}
+        assert all(a["correct"] == any(s in a["answer"].lower() for s in sample[a["question"]]) for a in x["answers"])
+        assert x["right"] == sum(a["correct"] for a in x["answers"])
+    return check
+
+
+def test_the_ninth_stages_candidate_is_the_first_span_whose_sample_answers_are_all_right(monkeypatch, capsys):
+    """The rule's snippet builds the spans' adapters (not kept in git; outside the span, the eighth stage's
+    weights exactly) and names the first span, in the rule's order, whose 36 sample answers are all right."""
+    import torch
+    from safetensors.torch import load_file
+
+    out = run_snippet("layouts.md", "SPANS = [(0, 20)", monkeypatch, capsys).splitlines()
+    check = _sample_check("ninth-stage-pilot")
+    spans = [x["layers"] for x in check["tried"]]
+    assert spans == [[0, 19], [10, 29], [0, 14], [15, 29], [0, 9], [20, 29]][:len(spans)]
+    assert [x["right"] == 36 for x in check["tried"]] == [False] * (len(spans) - 1) + [True]
+    assert check["span"] == spans[-1] and out[1] == f"the candidate: layers {spans[-1][0]}–{spans[-1][1]}"
+    section = _fourth_stage().split("## The rule for a ninth stage")[1]
+    assert f"The sample check chose layers {spans[-1][0]}–{spans[-1][1]} " in section
+    run_snippet("layouts.md", "eighth-stage-pilot/adapter", monkeypatch, capsys)  # builds it where missing
+    eighth = load_file(ROOT / "docs/results/eighth-stage-pilot/adapter/adapter_model.safetensors")
+    for a, b in spans:
+        built = load_file(ROOT / f"docs/results/ninth-stage-pilot/adapters/layers-{a}-{b}/adapter_model.safetensors")
+        inside = {k for k in eighth if a <= int(re.search(r"\.layers\.(\d+)\.", k)[1]) <= b and "lora_B" in k}
+        assert built.keys() == eighth.keys() and 0 < len(inside) < len(eighth) // 2
+        assert all(torch.equal(built[k], eighth[k]) != (k in inside) for k in eighth)
 
 
 def test_the_answer_files_reproduce_criterion_1_of_the_eighth_stage(monkeypatch, capsys):
