@@ -535,12 +535,23 @@ def test_the_ninth_stages_candidate_is_the_first_span_whose_sample_answers_are_a
 
 def test_the_answer_files_reproduce_criterion_1_of_the_eighth_stage(monkeypatch, capsys):
     """The eighth stage's dev snippet prints its table and interval as the section gives them, and passes."""
-    out = run_snippet("layouts.md", "eighth-stage-pilot/squad-dev-", monkeypatch, capsys).splitlines()
+    out = run_snippet("layouts.md", "the sixth stage's, eighth stage's candidate", monkeypatch, capsys).splitlines()
     section = _fourth_stage().split("## The rule for an eighth stage")[1]
     assert len(out) == 5 and all(row in section for row in out[:3])
     gains = _gains(out[:3])
     gap = out[3].removeprefix("(blend − block) − the sixth stage's, eighth stage's candidate: ")
     assert gains[0] > 0 and gains[1] >= -2 and f"(Blend − block) − the sixth stage's: {gap} points" in section
+    assert out[4].endswith(": passes") and "**criterion 1 passes**" in section
+
+
+def test_the_answer_files_reproduce_criterion_1_of_the_ninth_stage(monkeypatch, capsys):
+    """The ninth stage's dev snippet prints its table and interval as the section gives them, and passes."""
+    out = run_snippet("layouts.md", "ninth-stage-pilot/squad-dev-", monkeypatch, capsys).splitlines()
+    section = _fourth_stage().split("## The rule for a ninth stage")[1]
+    assert len(out) == 5 and all(row in section for row in out[:3])
+    gains = _gains(out[:3])
+    gap = out[3].removeprefix("(blend − block) − the eighth stage's, ninth stage's candidate: ")
+    assert gains[0] > 0 and gains[1] >= -2 and f"(Blend − block) − the eighth stage's: {gap} points" in section
     assert out[4].endswith(": passes") and "**criterion 1 passes**" in section
 
 
