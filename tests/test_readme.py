@@ -533,25 +533,17 @@ def test_the_ninth_stages_candidate_is_the_first_span_whose_sample_answers_are_a
         assert all(torch.equal(built[k], eighth[k]) != (k in inside) for k in eighth)
 
 
-def test_the_answer_files_reproduce_criterion_1_of_the_eighth_stage(monkeypatch, capsys):
-    """The eighth stage's dev snippet prints its table and interval as the section gives them, and passes."""
-    out = run_snippet("layouts.md", "the sixth stage's, eighth stage's candidate", monkeypatch, capsys).splitlines()
-    section = _fourth_stage().split("## The rule for an eighth stage")[1]
+@pytest.mark.parametrize("stage, before, heading", [("eighth", "sixth", "## The rule for an eighth stage"),
+                                                    ("ninth", "eighth", "## The rule for a ninth stage")])
+def test_the_answer_files_reproduce_criterion_1_of_the_stage(stage, before, heading, monkeypatch, capsys):
+    """The stage's dev snippet prints its table and interval as the section gives them, and passes."""
+    label = f"(blend − block) − the {before} stage's, {stage} stage's candidate: "
+    out = run_snippet("layouts.md", label[:-2], monkeypatch, capsys).splitlines()
+    section = _fourth_stage().split(heading)[1]
     assert len(out) == 5 and all(row in section for row in out[:3])
     gains = _gains(out[:3])
-    gap = out[3].removeprefix("(blend − block) − the sixth stage's, eighth stage's candidate: ")
-    assert gains[0] > 0 and gains[1] >= -2 and f"(Blend − block) − the sixth stage's: {gap} points" in section
-    assert out[4].endswith(": passes") and "**criterion 1 passes**" in section
-
-
-def test_the_answer_files_reproduce_criterion_1_of_the_ninth_stage(monkeypatch, capsys):
-    """The ninth stage's dev snippet prints its table and interval as the section gives them, and passes."""
-    out = run_snippet("layouts.md", "ninth-stage-pilot/squad-dev-", monkeypatch, capsys).splitlines()
-    section = _fourth_stage().split("## The rule for a ninth stage")[1]
-    assert len(out) == 5 and all(row in section for row in out[:3])
-    gains = _gains(out[:3])
-    gap = out[3].removeprefix("(blend − block) − the eighth stage's, ninth stage's candidate: ")
-    assert gains[0] > 0 and gains[1] >= -2 and f"(Blend − block) − the eighth stage's: {gap} points" in section
+    gap = out[3].removeprefix(label)
+    assert gains[0] > 0 and gains[1] >= -2 and f"(Blend − block) − the {before} stage's: {gap} points" in section
     assert out[4].endswith(": passes") and "**criterion 1 passes**" in section
 
 
