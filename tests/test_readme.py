@@ -568,6 +568,22 @@ def test_the_answer_files_reproduce_criterion_2_of_the_eighth_stage(monkeypatch,
     assert json.loads((shipped / "training.json").read_text())["t"] == json.loads((built.parent / "sample-check.json").read_text())["t"]
 
 
+
+def test_the_answer_files_reproduce_criterion_2_of_the_ninth_stage(monkeypatch, capsys):
+    """The ninth stage's test snippet prints what it printed when it was read once (kept beside the
+    answers) and the section's table, judging only SQuAD questions seeds 0 and 1 did not ask; the
+    judgement follows: SQuAD test block above the eighth stage's, generated test block and blend
+    neither 1 point below."""
+    out = run_snippet("layouts.md", "criterion 2 (before the README's tables)", monkeypatch, capsys).splitlines()
+    assert out == (ROOT / "docs/results/ninth-stage-pilot/criterion-2.txt").read_text(encoding="utf-8").splitlines()
+    section = _fourth_stage().split("## The rule for a ninth stage")[1]
+    judged = int(out[0].removeprefix("SQuAD test: ").split()[0])
+    assert len(out) == 6 and out[0].endswith(" questions judged of 400") and f"{400 - judged} were among seed 0's or seed 1's" in section
+    rows = [out[1], out[3], out[4]]
+    assert out[2] == "generated test: 400 questions judged of 400" and all(row in section for row in rows)
+    gains = _gains(rows)
+    assert gains[0] > 0 and min(gains[1:]) >= -1 and out[5].endswith(": passes") and "**criterion 2 passes**" in section
+
 def test_the_answer_files_reproduce_the_readme_accuracy_tables(monkeypatch, capsys):
     """The eighth stage's snippet in the set-up users get prints the README's table (both corpora), the
     costs of the question first that the README and the section quote, blend's gain over block and the
