@@ -644,6 +644,25 @@ def test_the_answer_files_reproduce_the_778_question_reading_of_squad(monkeypatc
     assert f"block − full {pooled} pooled, {range_} per layout" in readme and f"pooled {pooled}" in left
 
 
+
+def test_the_ninth_stages_table_snippet_prints_the_eighth_stages_figures_from_its_files(monkeypatch, capsys):
+    """Pointed at the eighth stage's answers in place of the ninth's, the ninth stage's snippet prints
+    the eighth stage's tables and 778-question reading line for line, and no change from it."""
+    (line, code), = [(n, c) for n, c in snippets(ROOT / "docs" / "layouts.md", "python") if "ninth-stage/squad-test-seed1-" in c]
+    swaps = {'"ninth-stage/test-p*.jsonl.gz"': '"eighth-stage/test-p*"', '"ninth-stage/squad-test-[01].jsonl.gz"': '"eighth-stage/squad-test-*"',
+             '"ninth-stage/squad-test-seed1-*.jsonl.gz"': '"eighth-stage-pilot/squad-test-seed1-*"'}
+    for ninth, eighth in swaps.items():
+        assert code.count(ninth) == 1
+        code = code.replace(ninth, eighth)
+    monkeypatch.chdir(ROOT)
+    exec(compile(code, f"docs/layouts.md:{line}", "exec"), {"__name__": "__main__"})  # noqa: S102
+    out = capsys.readouterr().out.splitlines()
+    tables = run_snippet("layouts.md", '"eighth-stage/squad-*"', monkeypatch, capsys).splitlines()
+    reading = run_snippet("layouts.md", "eighth-stage/published-squad-seed1-*", monkeypatch, capsys).splitlines()
+    change = [line for line in out if line.startswith("ninth − eighth stage")]
+    assert len(change) == 4 and all(line.endswith(": +0.0 ± 0.0") for line in change)
+    assert [line for line in out if line not in change] == [line for line in tables if not line.startswith("eighth − sixth")] + reading
+
 def test_the_answer_files_reproduce_the_eighth_stages_held_out_figures(monkeypatch, capsys):
     """The eighth stage's held-out snippet prints the lines the section lists, from answers that all
     reused KV and, through LlamaIndex, the sixth stage's nodes; the README quotes both apps' counts."""
