@@ -69,9 +69,13 @@ def test_python_snippet_runs(path, line, code, monkeypatch, capsys):
             assert ANSWERS[question].lower() in out.lower(), (question, out)
 
 
-def run_snippet(doc: str, marker: str, monkeypatch, capsys) -> str:
-    """What the one Python snippet in docs/`doc` that mentions `marker` prints, run from the repository root."""
+def run_snippet(doc: str, marker: str, monkeypatch, capsys, swaps: dict[str, str] | None = None) -> str:
+    """What the one Python snippet in docs/`doc` that mentions `marker` prints, run from the repository
+    root; each of `swaps`' keys, found once in it, replaced by its value first."""
     (line, code), = [(n, c) for n, c in snippets(ROOT / "docs" / doc, "python") if marker in c]
+    for old, new in (swaps or {}).items():
+        assert code.count(old) == 1, old
+        code = code.replace(old, new)
     monkeypatch.chdir(ROOT)
     exec(compile(code, f"docs/{doc}:{line}", "exec"), {"__name__": "__main__"})  # noqa: S102
     return capsys.readouterr().out
@@ -568,7 +572,6 @@ def test_the_answer_files_reproduce_criterion_2_of_the_eighth_stage(monkeypatch,
     assert json.loads((shipped / "training.json").read_text())["t"] == json.loads((built.parent / "sample-check.json").read_text())["t"]
 
 
-
 def test_the_answer_files_reproduce_criterion_2_of_the_ninth_stage(monkeypatch, capsys):
     """The ninth stage's test snippet prints what it printed when it was read once (kept beside the
     answers) and the section's table, judging only SQuAD questions seeds 0 and 1 did not ask; the
@@ -583,6 +586,7 @@ def test_the_answer_files_reproduce_criterion_2_of_the_ninth_stage(monkeypatch, 
     assert out[2] == "generated test: 400 questions judged of 400" and all(row in section for row in rows)
     gains = _gains(rows)
     assert gains[0] > 0 and min(gains[1:]) >= -1 and out[5].endswith(": passes") and "**criterion 2 passes**" in section
+
 
 def test_the_answer_files_reproduce_the_readme_accuracy_tables(monkeypatch, capsys):
     """The eighth stage's snippet in the set-up users get prints the README's table (both corpora), the
@@ -644,24 +648,18 @@ def test_the_answer_files_reproduce_the_778_question_reading_of_squad(monkeypatc
     assert f"block − full {pooled} pooled, {range_} per layout" in readme and f"pooled {pooled}" in left
 
 
-
 def test_the_ninth_stages_table_snippet_prints_the_eighth_stages_figures_from_its_files(monkeypatch, capsys):
     """Pointed at the eighth stage's answers in place of the ninth's, the ninth stage's snippet prints
     the eighth stage's tables and 778-question reading line for line, and no change from it."""
-    (line, code), = [(n, c) for n, c in snippets(ROOT / "docs" / "layouts.md", "python") if "ninth-stage/squad-test-seed1-" in c]
     swaps = {'"ninth-stage/test-p*.jsonl.gz"': '"eighth-stage/test-p*"', '"ninth-stage/squad-test-[01].jsonl.gz"': '"eighth-stage/squad-test-*"',
              '"ninth-stage/squad-test-seed1-*.jsonl.gz"': '"eighth-stage-pilot/squad-test-seed1-*"'}
-    for ninth, eighth in swaps.items():
-        assert code.count(ninth) == 1
-        code = code.replace(ninth, eighth)
-    monkeypatch.chdir(ROOT)
-    exec(compile(code, f"docs/layouts.md:{line}", "exec"), {"__name__": "__main__"})  # noqa: S102
-    out = capsys.readouterr().out.splitlines()
+    out = run_snippet("layouts.md", "ninth-stage/squad-test-seed1-", monkeypatch, capsys, swaps).splitlines()
     tables = run_snippet("layouts.md", '"eighth-stage/squad-*"', monkeypatch, capsys).splitlines()
     reading = run_snippet("layouts.md", "eighth-stage/published-squad-seed1-*", monkeypatch, capsys).splitlines()
     change = [line for line in out if line.startswith("ninth − eighth stage")]
     assert len(change) == 4 and all(line.endswith(": +0.0 ± 0.0") for line in change)
     assert [line for line in out if line not in change] == [line for line in tables if not line.startswith("eighth − sixth")] + reading
+
 
 def test_the_answer_files_reproduce_the_eighth_stages_held_out_figures(monkeypatch, capsys):
     """The eighth stage's held-out snippet prints the lines the section lists, from answers that all
