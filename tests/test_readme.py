@@ -661,6 +661,18 @@ def test_the_ninth_stages_table_snippet_prints_the_eighth_stages_figures_from_it
     assert [line for line in out if line not in change] == [line for line in tables if not line.startswith("eighth − sixth")] + reading
 
 
+def test_the_ninth_stages_tables_are_what_their_snippet_printed_when_read(monkeypatch, capsys):
+    """With every answer in, the ninth stage's snippet prints what it printed when it was read once (kept
+    beside the answers), and the section quotes its pooled rows and the 778 questions' verdict."""
+    out = run_snippet("layouts.md", "ninth-stage/squad-test-seed1-", monkeypatch, capsys)
+    assert out == (ROOT / "docs/results/ninth-stage/tables.txt").read_text(encoding="utf-8")
+    lines = out.splitlines()
+    section = " ".join(_fourth_stage().split("### The ninth stage in the set-up users get")[1].split())
+    pooled = [line.split(" | ") for line in lines if line.startswith("| **pooled**")]
+    assert len(pooled) == 3 and f"block − full {pooled[1][4]} (per layout" in section
+    assert f"block − full **{pooled[2][4]} pooled, {pooled[2][5].rstrip(' |')} pooled**" in section
+
+
 def test_the_answer_files_reproduce_the_eighth_stages_held_out_figures(monkeypatch, capsys):
     """The eighth stage's held-out snippet prints the lines the section lists, from answers that all
     reused KV and, through LlamaIndex, the sixth stage's nodes; the README quotes both apps' counts."""
