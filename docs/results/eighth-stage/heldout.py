@@ -86,10 +86,13 @@ def llamaindex(engine, questions):
                    "sources": [node.node.get_content()[:40] for node in nodes]}
 
 
-if __name__ == "__main__":
-    app, out = sys.argv[1], Path(sys.argv[2])
+def main(app, out):
     questions = load_questions(HELDOUT / "questions.json")
-    with out.open("w", encoding="utf-8") as f:
+    with Path(out).open("w", encoding="utf-8") as f:
         for record in {"langchain": langchain, "llamaindex": llamaindex}[app](KVEngine.shared(), questions):
             f.write(json.dumps(record if "layout" in record else {"settings": record}) + "\n")
             f.flush()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
