@@ -537,6 +537,31 @@ def test_the_ninth_stages_candidate_is_the_first_span_whose_sample_answers_are_a
         assert all(torch.equal(built[k], eighth[k]) != (k in inside) for k in eighth)
 
 
+def test_the_tenth_stages_candidate_is_the_first_share_whose_sample_answers_are_all_right(monkeypatch, capsys):
+    """The rule's snippet names the first t, in the rule's order, whose 36 sample answers are all right (none if
+    no t is); below t = 1 it builds the ninth stage and the trained adapter stacked, their products unchanged."""
+    import torch
+    from safetensors.torch import load_file
+
+    run_snippet("layouts.md", "SPANS = [(0, 20)", monkeypatch, capsys)  # builds the ninth stage where missing
+    out = run_snippet("layouts.md", "SHARES = [1.0, 0.5, 0.25]", monkeypatch, capsys).splitlines()
+    check = _sample_check("tenth-stage-pilot")
+    shares, right = [x["t"] for x in check["tried"]], [x["right"] == 36 for x in check["tried"]]
+    assert shares == [1.0, 0.5, 0.25][:len(shares)] and right[:-1] == [False] * (len(shares) - 1)
+    assert check["t"] == (shares[-1] if right[-1] else None) and (right[-1] or len(shares) == 3)
+    assert out[1] == "the candidate: " + (f"t = {check['t']}" if right[-1] else "none")
+    ninth, trained = (load_file(ROOT / f"docs/results/{d}/adapter_model.safetensors")
+                      for d in ("ninth-stage-pilot/adapters/layers-0-9", "tenth-stage-pilot/adapter"))
+    for t in shares[1:]:
+        built = load_file(ROOT / f"docs/results/tenth-stage-pilot/adapters/t-{t}/adapter_model.safetensors")
+        for k in ninth:
+            if "lora_B" in k:
+                a = k.replace("lora_B", "lora_A")
+                product = built[k].float() @ built[a].float()
+                expected = (1 - t) * ninth[k].float() @ ninth[a].float() + t * trained[k].float() @ trained[a].float()
+                assert (product - expected).norm() <= 1e-2 * expected.norm(), k  # float16's rounding, not a wrong t
+
+
 @pytest.mark.parametrize("stage, before, heading", [("eighth", "sixth", "## The rule for an eighth stage"),
                                                     ("ninth", "eighth", "## The rule for a ninth stage")])
 def test_the_answer_files_reproduce_criterion_1_of_the_stage(stage, before, heading, monkeypatch, capsys):
