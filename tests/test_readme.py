@@ -563,7 +563,8 @@ def test_the_tenth_stages_candidate_is_the_first_share_whose_sample_answers_are_
 
 
 @pytest.mark.parametrize("stage, before, heading", [("eighth", "sixth", "## The rule for an eighth stage"),
-                                                    ("ninth", "eighth", "## The rule for a ninth stage")])
+                                                    ("ninth", "eighth", "## The rule for a ninth stage"),
+                                                    ("tenth", "ninth", "## The rule for a tenth stage")])
 def test_the_answer_files_reproduce_criterion_1_of_the_stage(stage, before, heading, monkeypatch, capsys):
     """The stage's dev snippet prints its table and interval as the section gives them, and passes."""
     label = f"(blend − block) − the {before} stage's, {stage} stage's candidate: "
