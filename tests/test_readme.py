@@ -590,6 +590,20 @@ def test_the_answer_files_reproduce_criterion_2_of_the_eighth_stage(monkeypatch,
     assert gains[0] > 0 and min(gains[1:]) >= -1 and out[5] == "criterion 2: passes" and "**criterion 2 passes**" in section
 
 
+def test_the_answer_files_reproduce_criterion_2_of_the_tenth_stage(monkeypatch, capsys):
+    """The tenth stage's test snippet prints what it printed when it was read once and the section's
+    table, judging only SQuAD questions seeds 0 to 2 did not ask; the judgement follows."""
+    out = run_snippet("layouts.md", "criterion 2 of the tenth stage", monkeypatch, capsys).splitlines()
+    assert out == (ROOT / "docs/results/tenth-stage-pilot/criterion-2.txt").read_text(encoding="utf-8").splitlines()
+    section = _fourth_stage().split("## The rule for a tenth stage")[1]
+    judged = int(out[0].removeprefix("SQuAD test: ").split()[0])
+    assert len(out) == 6 and f"{400 - judged} were among seeds 0 to 2's" in section
+    rows = [out[1], out[3], out[4]]
+    assert out[2] == "generated test: 400 questions judged of 400" and all(row in section for row in rows)
+    gains = _gains(rows)
+    assert gains[0] > 0 and min(gains[1:]) >= -1 and out[5].endswith(": passes") and "**criterion 2 passes**" in section
+
+
 def test_the_answer_files_reproduce_criterion_2_of_the_ninth_stage(monkeypatch, capsys):
     """The ninth stage's test snippet prints what it printed when it was read once (kept beside the
     answers) and the section's table, judging only SQuAD questions seeds 0 and 1 did not ask; the
