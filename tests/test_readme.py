@@ -590,35 +590,30 @@ def test_the_answer_files_reproduce_criterion_2_of_the_eighth_stage(monkeypatch,
     assert gains[0] > 0 and min(gains[1:]) >= -1 and out[5] == "criterion 2: passes" and "**criterion 2 passes**" in section
 
 
-def test_the_answer_files_reproduce_criterion_2_of_the_tenth_stage(monkeypatch, capsys):
-    """The tenth stage's test snippet prints what it printed when it was read once and the section's
-    table, judging only SQuAD questions seeds 0 to 2 did not ask; the judgement follows."""
-    out = run_snippet("layouts.md", "criterion 2 of the tenth stage", monkeypatch, capsys).splitlines()
-    assert out == (ROOT / "docs/results/tenth-stage-pilot/criterion-2.txt").read_text(encoding="utf-8").splitlines()
-    section = _fourth_stage().split("## The rule for a tenth stage")[1]
+def _criterion_2_read_once(marker, stage, seeds, monkeypatch, capsys):
+    """The stage's test snippet prints what it printed when it was read once (kept beside the answers,
+    `criterion-2.txt`) and the section's table, judging only SQuAD questions earlier seeds did not ask;
+    the judgement follows: SQuAD test block above the stage before, generated test block and blend
+    neither 1 point below."""
+    out = run_snippet("layouts.md", marker, monkeypatch, capsys).splitlines()
+    assert out == (ROOT / f"docs/results/{stage}-stage-pilot/criterion-2.txt").read_text(encoding="utf-8").splitlines()
+    section = _fourth_stage().split(f"## The rule for a {stage} stage")[1]
     judged = int(out[0].removeprefix("SQuAD test: ").split()[0])
-    assert len(out) == 6 and f"{400 - judged} were among seeds 0 to 2's" in section
+    assert len(out) == 6 and out[0].endswith(" questions judged of 400") and f"{400 - judged} were among {seeds}" in section
     rows = [out[1], out[3], out[4]]
     assert out[2] == "generated test: 400 questions judged of 400" and all(row in section for row in rows)
     gains = _gains(rows)
     assert gains[0] > 0 and min(gains[1:]) >= -1 and out[5].endswith(": passes") and "**criterion 2 passes**" in section
+
+
+def test_the_answer_files_reproduce_criterion_2_of_the_tenth_stage(monkeypatch, capsys):
+    _criterion_2_read_once("criterion 2 of the tenth stage", "tenth", "seeds 0 to 2's", monkeypatch, capsys)
 
 
 def test_the_answer_files_reproduce_criterion_2_of_the_ninth_stage(monkeypatch, capsys):
-    """The ninth stage's test snippet prints what it printed when it was read once (kept beside the
-    answers) and the section's table, judging only SQuAD questions seeds 0 and 1 did not ask; the
-    judgement follows: SQuAD test block above the eighth stage's, generated test block and blend
-    neither 1 point below; and the shipped adapter is the candidate its rule built, its training.json
-    naming the span."""
-    out = run_snippet("layouts.md", "criterion 2 (before the README's tables)", monkeypatch, capsys).splitlines()
-    assert out == (ROOT / "docs/results/ninth-stage-pilot/criterion-2.txt").read_text(encoding="utf-8").splitlines()
-    section = _fourth_stage().split("## The rule for a ninth stage")[1]
-    judged = int(out[0].removeprefix("SQuAD test: ").split()[0])
-    assert len(out) == 6 and out[0].endswith(" questions judged of 400") and f"{400 - judged} were among seed 0's or seed 1's" in section
-    rows = [out[1], out[3], out[4]]
-    assert out[2] == "generated test: 400 questions judged of 400" and all(row in section for row in rows)
-    gains = _gains(rows)
-    assert gains[0] > 0 and min(gains[1:]) >= -1 and out[5].endswith(": passes") and "**criterion 2 passes**" in section
+    """Criterion 2 as read once; and the shipped adapter is the candidate its rule built, its
+    training.json naming the span."""
+    _criterion_2_read_once("criterion 2 (before the README's tables)", "ninth", "seed 0's or seed 1's", monkeypatch, capsys)
     run_snippet("layouts.md", "SPANS = [(0, 20)", monkeypatch, capsys)  # builds the candidates where missing
     check = json.loads((ROOT / "docs/results/ninth-stage-pilot/sample-check.json").read_text())
     (a, b), shipped = check["span"], ROOT / "src/kvrag/adapters/smollm2-135m-instruct-block"
