@@ -12,16 +12,13 @@ ask() {  # WHO ADAPTER ARGS...: a --home per process and adapter
     local who=$1 adapter=$2; shift 2
     ./run --home $S/home-$K-${who:-tenth} --adapter "$adapter" bench accuracy --concurrency 8 --prompts $LAYOUTS --seed 3 --plot "" "$@"
 }
+adapter() { [ -z "$1" ] && echo docs/results/tenth-stage-pilot/adapter || echo docs/results/ninth-stage-pilot/adapters/layers-0-9; }
 for who in "" ninth-; do
-    adapter=docs/results/tenth-stage-pilot/adapter
-    [ -z "$who" ] || adapter=docs/results/ninth-stage-pilot/adapters/layers-0-9
-    ask "$who" $adapter --squad --split test --passages 5 --limit 400 --methods block --results $S/${who}squad-test-seed3-$K.jsonl
+    ask "$who" $(adapter "$who") --squad --split test --passages 5 --limit 400 --methods block --results $S/${who}squad-test-seed3-$K.jsonl
 done
 for p in plain prose; do
     for who in "" ninth-; do
-        adapter=docs/results/tenth-stage-pilot/adapter
-        [ -z "$who" ] || adapter=docs/results/ninth-stage-pilot/adapters/layers-0-9
-        ask "$who" $adapter --split test --passages 10 --limit 200 --prose $([ $p = prose ] && echo 1 || echo 0) \
+        ask "$who" $(adapter "$who") --split test --passages 10 --limit 200 --prose $([ $p = prose ] && echo 1 || echo 0) \
             --methods block,blend --results $S/${who}test-$p-seed3-$K.jsonl
     done
 done

@@ -1,7 +1,8 @@
 #!/bin/bash
 # The README's tables and the 778-question reading with the tenth stage, process K (0: the first four
 # layouts of NAMES, 1: the last four), from the repository root: docs/results/tenth-stage/tables.sh K.
-# Answers go to runs/tenth-tables/, committed gzipped to docs/results/tenth-stage/ (`--results` resumes a file there: gunzip -k the committed ones into it first).
+# Answers go to runs/tenth-tables/, committed gzipped to docs/results/tenth-stage/ (`--results` resumes
+# a file there: gunzip -k the committed ones into it first).
 set -e
 K=$1; S=runs/tenth-tables
 mkdir -p $S
