@@ -713,6 +713,17 @@ def test_the_ninth_stages_tables_are_what_their_snippet_printed_when_read(monkey
     assert met[-1] == "**pooled**" and len(met) < 9 and f"three layouts ({', '.join(met[:-1])}) and pooled, {pooled[2][4]}" in left
 
 
+def test_the_tenth_stages_table_snippet_prints_the_ninth_stages_figures_from_its_files(monkeypatch, capsys):
+    """Pointed at the ninth stage's answers in place of the tenth's, the tenth stage's snippet prints the
+    ninth stage's tables and 778-question reading line for line, and no change from it."""
+    swaps = {f'"tenth-stage/{name}.jsonl.gz"': f'"ninth-stage/{name}.jsonl.gz"' for name in ("test-p*", "squad-test-[01]", "squad-test-seed1-*")}
+    out = run_snippet("layouts.md", "tenth-stage/squad-test-seed1-", monkeypatch, capsys, swaps).splitlines()
+    ninth = (ROOT / "docs/results/ninth-stage/tables.txt").read_text(encoding="utf-8").splitlines()
+    change = [line for line in out if line.startswith("tenth − ninth stage")]
+    assert len(change) == 4 and all(line.endswith(": +0.0 ± 0.0") for line in change)
+    assert [line for line in out if line not in change] == [line for line in ninth if not line.startswith("ninth − eighth stage")]
+
+
 @pytest.mark.parametrize("stage", ["eighth", "ninth"])
 def test_the_answer_files_reproduce_the_stages_held_out_figures(stage, monkeypatch, capsys):
     """The stage's held-out snippet prints the lines its section lists, from answers that all reused KV
