@@ -728,6 +728,8 @@ def test_the_tenth_stages_tables_are_what_their_snippet_printed_when_read(monkey
     per_layout = sorted(_points(row[4]) for row in rows[:-1])
     range_ = f"{per_layout[0]:+.1f} to {per_layout[-1]:+.1f}".replace("-", "−")
     assert f"block − full {pooled[2][4]} pooled, {range_} per layout, shown ≥ −2 on every layout" in readme
+    left = " ".join((ROOT / "docs" / "layouts.md").read_text(encoding="utf-8").split("## What is left")[1].split())
+    assert f"+{pooled[2][4].lstrip('+')} on 778 per layout (two-look intervals, {range_} per layout): shown ≥ −2 on every layout" in left
 
 
 def test_the_tenth_stages_table_snippet_prints_the_ninth_stages_figures_from_its_files(monkeypatch, capsys):
@@ -741,7 +743,7 @@ def test_the_tenth_stages_table_snippet_prints_the_ninth_stages_figures_from_its
     assert [line for line in out if line not in change] == [line for line in ninth if not line.startswith("ninth − eighth stage")]
 
 
-@pytest.mark.parametrize("stage", ["eighth", "ninth"])
+@pytest.mark.parametrize("stage", ["eighth", "ninth", "tenth"])
 def test_the_answer_files_reproduce_the_stages_held_out_figures(stage, monkeypatch, capsys):
     """The stage's held-out snippet prints the lines its section lists, from answers that all reused KV
     and, through LlamaIndex, the sixth stage's nodes; the README quotes the shipped stage's counts."""
