@@ -688,15 +688,22 @@ def test_the_ninth_stages_table_snippet_prints_the_eighth_stages_figures_from_it
     assert [line for line in out if line not in change] == [line for line in tables if not line.startswith("eighth − sixth")] + reading
 
 
+def _read_tables(stage, monkeypatch, capsys):
+    """The stage's table snippet's lines, checked against what it printed when read once, and its pooled
+    rows, checked against its section, which is returned whitespace-joined."""
+    out = run_snippet("layouts.md", f"{stage}-stage/squad-test-seed1-", monkeypatch, capsys)
+    assert out == (ROOT / f"docs/results/{stage}-stage/tables.txt").read_text(encoding="utf-8")
+    lines = out.splitlines()
+    section = " ".join(_fourth_stage().split(f"### The {stage} stage in the set-up users get")[1].split())
+    pooled = [line.split(" | ") for line in lines if line.startswith("| **pooled**")]
+    assert len(pooled) == 3 and f"block − full {pooled[1][4]} (per layout" in section
+    return lines, section, pooled
+
+
 def test_the_ninth_stages_tables_are_what_their_snippet_printed_when_read(monkeypatch, capsys):
     """With every answer in, the ninth stage's snippet prints what it printed when it was read once (kept
     beside the answers), and the section quotes its pooled rows and the 778 questions' verdict."""
-    out = run_snippet("layouts.md", "ninth-stage/squad-test-seed1-", monkeypatch, capsys)
-    assert out == (ROOT / "docs/results/ninth-stage/tables.txt").read_text(encoding="utf-8")
-    lines = out.splitlines()
-    section = " ".join(_fourth_stage().split("### The ninth stage in the set-up users get")[1].split())
-    pooled = [line.split(" | ") for line in lines if line.startswith("| **pooled**")]
-    assert len(pooled) == 3 and f"block − full {pooled[1][4]} (per layout" in section
+    _, section, pooled = _read_tables("ninth", monkeypatch, capsys)
     assert f"block − full **{pooled[2][4]} pooled, {pooled[2][5].rstrip(' |')} pooled**" in section
 
 
@@ -706,12 +713,7 @@ def test_the_tenth_stages_tables_are_what_their_snippet_printed_when_read(monkey
     its tables (the corpora side by side), the costs of the question first and the 778 questions' pooled
     interval and per-layout range; the targets follow from the rows: block − full shown ≥ −2 on every
     layout of both corpora and of the 778 questions, block above full on each, blend − full shown ≥ −1."""
-    out = run_snippet("layouts.md", "tenth-stage/squad-test-seed1-", monkeypatch, capsys)
-    assert out == (ROOT / "docs/results/tenth-stage/tables.txt").read_text(encoding="utf-8")
-    lines = out.splitlines()
-    section = " ".join(_fourth_stage().split("### The tenth stage in the set-up users get")[1].split())
-    pooled = [line.split(" | ") for line in lines if line.startswith("| **pooled**")]
-    assert len(pooled) == 3 and f"block − full {pooled[1][4]} (per layout" in section
+    lines, section, pooled = _read_tables("tenth", monkeypatch, capsys)
     assert f"block − full **{pooled[2][4]} pooled, shown met on every layout**" in section
     assert [lines[0], lines[17]] == ["generated test", "SQuAD test"] and len(lines) == 49
     tables = [[line.split(" | ") for line in lines[start + 1:start + 10]] for start in (0, 17)]
@@ -729,7 +731,7 @@ def test_the_tenth_stages_tables_are_what_their_snippet_printed_when_read(monkey
     range_ = f"{per_layout[0]:+.1f} to {per_layout[-1]:+.1f}".replace("-", "−")
     assert f"block − full {pooled[2][4]} pooled, {range_} per layout, shown ≥ −2 on every layout" in readme
     left = " ".join((ROOT / "docs" / "layouts.md").read_text(encoding="utf-8").split("## What is left")[1].split())
-    assert f"+{pooled[2][4].lstrip('+')} on 778 per layout (two-look intervals, {range_} per layout): shown ≥ −2 on every layout" in left
+    assert f"{pooled[2][4]} on 778 per layout (two-look intervals, {range_} per layout): shown ≥ −2 on every layout" in left
 
 
 def test_the_tenth_stages_table_snippet_prints_the_ninth_stages_figures_from_its_files(monkeypatch, capsys):
