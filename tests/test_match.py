@@ -3,13 +3,15 @@
 import copy
 import multiprocessing
 import sqlite3
+import threading
+import time
 import warnings
 
 import numpy as np
 import pytest
 
-from kvrag import EmptyInputError, Passage
-from kvrag.match import PassageMatcher, window_hashes
+from kvrag import EmptyInputError, Passage, match
+from kvrag.match import PassageMatcher, registered_passages, window_hashes
 from kvrag.prompt import PromptLayout
 
 P1 = "The Varnholm lighthouse was built in 1873 by the engineer Ilsa Brandt on the northern cliff."
@@ -66,6 +68,43 @@ def test_passages_persist_and_are_shared_between_processes(tmp_path):
         assert w.exitcode == 0
     assert len(reader) == 2  # the same reader sees what other processes added
     assert len(PassageMatcher(path).find(f"{P2} and {P1} ")) == 2
+
+
+def test_openers_that_find_a_damaged_registry_together_set_it_aside_once(tmp_path, monkeypatch):
+    """One opener at a time (a lock file beside the registry; threads here, processes alike): the first
+    moves the damaged file aside and creates a new one, the others open that one, and no passage goes
+    to a file moved aside. Each open is slowed, as on a busy disk, so that the openers overlap."""
+    path = tmp_path / "passages.sqlite"
+    path.write_bytes(b"SQLite format 3\x00" + bytes(range(256)) * 8)
+    real_open = match._open
+
+    def slow_open(p):
+        try:
+            return real_open(p)
+        finally:
+            time.sleep(0.2)
+
+    monkeypatch.setattr(match, "_open", slow_open)
+    texts = [f"{P1} ({i})" for i in range(4)]
+    barrier, errors = threading.Barrier(len(texts)), []
+
+    def open_and_add(text):
+        try:
+            barrier.wait(timeout=10)
+            PassageMatcher(path).add([text])
+        except Exception as exc:
+            errors.append(exc)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        threads = [threading.Thread(target=open_and_add, args=(text,)) for text in texts]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+    assert errors == []
+    assert len(list(tmp_path.glob("passages.sqlite.damaged-*"))) == 1
+    assert sorted(registered_passages([path])) == sorted(texts)
 
 
 # ---- prompts cut at passages ----------------------------------------------------------------------

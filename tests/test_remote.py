@@ -37,6 +37,7 @@ def url(redis_server):
 
 @pytest.fixture(autouse=True)
 def quick_backoff(monkeypatch):
+    monkeypatch.setenv("KVRAG_SECRET", "the replicas' shared secret")
     monkeypatch.setattr(remote_module, "BACKOFF", 0.05)
     monkeypatch.setattr(remote_module, "MAX_BACKOFF", 0.2)
 

@@ -9,6 +9,7 @@ import sys
 import threading
 import time
 import uuid
+import warnings
 
 import pytest
 from servers import chroma_server, free_port
@@ -37,6 +38,49 @@ def test_collections_are_cosine_and_take_the_vectors_they_are_given(tmp_path):
     assert collection.configuration_json["hnsw"]["space"] == COSINE["hnsw:space"] == "cosine"
     collection.upsert(ids=["a"], documents=["x"], embeddings=[[1.0, 0.0]])
     assert chroma_collection(tmp_path, "notes").count() == 1  # reopened, in the same process
+
+
+def _forget(directory) -> None:
+    """Drop this process's Chroma system for `directory` (Chroma keeps one per path), as a new process
+    would start without it."""
+    from chromadb.api.shared_system_client import SharedSystemClient
+
+    SharedSystemClient._identifier_to_system.pop(str(directory)).stop()
+
+
+@pytest.mark.parametrize("opener", ["collection", "client"])
+def test_a_garbage_embedded_chroma_is_moved_aside_and_started_afresh(tmp_path, opener):
+    """LangChain's and LlamaIndex's collections, opened through these, start empty; the CLI's is rebuilt
+    (test_concurrent_index.py)."""
+    directory = tmp_path / "chroma"
+    chroma_collection(directory, "notes").upsert(ids=["a"], documents=["x"], embeddings=[[1.0, 0.0]])
+    _forget(directory)
+    garbage = b"not a database " * 100
+    (directory / "chroma.sqlite3").write_bytes(garbage)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if opener == "collection":
+            collection = chroma_collection(directory, "notes")
+        else:  # as LangChain's default_chroma also opens a client of its own
+            chroma_client(directory)
+            collection = chroma_collection(directory, "notes")
+    [aside] = tmp_path.glob("chroma.damaged-*")
+    assert [str(w.message) for w in caught] == [
+        f"kvrag: the Chroma store {directory / 'chroma.sqlite3'} is unusable (file is not a database); "
+        f"moved chroma to {aside.name}, starting afresh"]
+    assert (aside / "chroma.sqlite3").read_bytes() == garbage  # kept as it was, for whoever wants to look
+    assert collection.count() == 0
+    collection.upsert(ids=["b"], documents=["y"], embeddings=[[0.0, 1.0]])
+    assert chroma_collection(directory, "notes").get()["ids"] == ["b"]
+
+
+def test_a_chroma_that_fails_to_open_for_another_reason_is_left_where_it_is(tmp_path):
+    directory = tmp_path / "chroma"
+    directory.write_text("a file where the directory should be")
+    with pytest.raises(Exception, match="File exists"):
+        chroma_collection(directory, "notes")
+    assert directory.read_text() == "a file where the directory should be"
+    assert not list(tmp_path.glob("*.damaged-*"))
 
 
 def test_the_default_directory_is_under_kvrag_home(monkeypatch, tmp_path):

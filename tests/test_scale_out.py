@@ -20,10 +20,12 @@ QUESTION = "Who built the lighthouse?"
 
 
 @pytest.fixture
-def replicas(saved_model_and_adapter, tmp_path):
-    """Redis, Chroma and two `kvrag serve` processes on them (the serving bench's `Server`)."""
+def replicas(saved_model_and_adapter, tmp_path, monkeypatch):
+    """Redis (with a password, as the docs deploy it), Chroma and two `kvrag serve` processes on them (the
+    serving bench's `Server`), sharing a secret."""
     model_dir, _ = saved_model_and_adapter
-    with RedisServer(tmp_path / "redis") as redis_server, chroma_server(tmp_path / "chroma") as chroma_url:
+    monkeypatch.setenv("KVRAG_SECRET", "the replicas' shared secret")
+    with RedisServer(tmp_path / "redis", password="the redis password") as redis_server, chroma_server(tmp_path / "chroma") as chroma_url:
         options = ["--model", str(model_dir), "--adapter", "none", "--device", "cpu", "--remote", redis_server.url,
                    "--chroma", chroma_url]
         servers = []

@@ -103,14 +103,44 @@ def test_bad_requests_fail_alone(make_engine):
     good = requests(4)
     alone = [engine.generate(q, b, mode=m, max_new_tokens=n).token_ids for q, b, m, n in good]
     streams = [engine.stream(q, b, mode=m, max_new_tokens=n) for q, b, m, n in good[:2]]
-    too_long = engine.stream("Why? " * engine.context_window, TEXTS)
-    unknown = engine.stream("Who?", ["kv_" + "0" * 32])
-    streams += [engine.stream(q, b, mode=m, max_new_tokens=n) for q, b, m, n in good[2:]]
-    with pytest.raises(ContextOverflowError):
-        too_long.drain()
+    with pytest.raises(ContextOverflowError):  # a bad prompt is refused at the call, never queued
+        engine.stream("Why? " * engine.context_window, TEXTS)
     with pytest.raises(UnknownBlockError):
-        unknown.drain()
+        engine.stream("Who?", ["kv_" + "0" * 32])
+    streams += [engine.stream(q, b, mode=m, max_new_tokens=n) for q, b, m, n in good[2:]]
     assert [s.drain().token_ids for s in streams] == alone
+
+
+def test_a_prompt_is_built_on_the_callers_thread_and_counts_in_its_ttft(make_engine, monkeypatch):
+    """A prompt that takes long to build (here: held until released) holds up its own caller only: another
+    request is answered meanwhile, as it is alone. Its TTFT still runs from the call."""
+    engine = make_engine()
+    engine.eos_ids = set()
+    alone = engine.generate("Who built the lighthouse?", TEXTS, max_new_tokens=8).token_ids
+    building, released, build = threading.Event(), threading.Event(), engine.build_prompt
+    waited, builders = [], []
+
+    def slow(question, blocks=()):
+        builders.append(threading.current_thread())
+        if question == "Slow?":
+            start = time.perf_counter()
+            building.set()
+            assert released.wait(30)
+            waited.append(time.perf_counter() - start)
+        return build(question, blocks)
+
+    monkeypatch.setattr(engine, "build_prompt", slow)
+    streams = []
+    caller = threading.Thread(target=lambda: streams.append(engine.stream("Slow?", TEXTS, max_new_tokens=4)))
+    caller.start()
+    assert building.wait(30)
+    assert engine.generate("Who built the lighthouse?", TEXTS, max_new_tokens=8).token_ids == alone
+    assert caller.is_alive() and not streams  # still building, on its own thread
+    released.set()
+    caller.join(30)
+    result = streams[0].drain()
+    assert result.generated_tokens == 4 and result.ttft >= waited[0]
+    assert builders == [caller, threading.current_thread()]
 
 
 def test_full_queue_refuses_and_a_cancelled_request_frees_its_slot(make_engine):

@@ -399,10 +399,13 @@ def test_kvrag_serve_wires_its_options(monkeypatch, capsys):
     monkeypatch.setenv("KVRAG_API_KEY", "from-env")
     assert cli.main(["serve", "--mode", "full", "--port", "9001", "--max-queue", "3"]) == 0
     assert calls["engine"][1] == {"max_batch": 16, "max_queue": 3}
-    assert calls["app"] == ("the engine", {"api_key": "from-env", "default_mode": "full"})
+    assert calls["app"] == ("the engine", {"api_key": "from-env", "default_mode": "full", "max_request_bytes": None,
+                                           "max_passages": 256})
     assert calls["run"] == ("the app", {"host": "127.0.0.1", "port": 9001, "log_level": "info"})
     assert "http://127.0.0.1:9001/v1 (API key required)" in capsys.readouterr().err
     assert cli.main(["serve", "--api-key", "k"]) == 0 and calls["app"][1]["api_key"] == "k"
+    assert cli.main(["serve", "--max-request-bytes", "2048", "--max-passages", "8"]) == 0
+    assert (calls["app"][1]["max_request_bytes"], calls["app"][1]["max_passages"]) == (2048, 8)
 
 
 def test_kvrag_index_server_sends_the_passages_it_splits(engine, tok, tmp_path, capsys):

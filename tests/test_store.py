@@ -3,13 +3,14 @@ budgets, pinned host copies for a GPU, the storage dtype. Store objects alone, o
 
 import os
 import struct
+import time
 import warnings
 
 import pytest
 import torch
 from safetensors import safe_open
 
-from kvrag.store import DiskTier, KVBlock, KVStore, MemoryTier, default_storage_dtype
+from kvrag.store import DiskTier, KVBlock, KVStore, MemoryTier, default_storage_dtype, pack
 from kvfiles import DAMAGES, assert_same_block, damage, header_metadata, kv_files, kvrag_warnings, make_block
 
 
@@ -118,31 +119,31 @@ def test_memory_tier_lru_under_budget():
         assert tier.used == sum(b.nbytes for b in tier._blocks.values())  # no get(): it reorders
 
     for key, block in (("a", a), ("b", b), ("c", c)):
-        tier.put(key, block)
+        tier.put(key, None, block)
         check()
     assert len(tier) == 3 and tier.used == 3 * size
 
     assert tier.get("a") is a  # touch a: b is now least recently used
-    tier.put("d", d)
+    tier.put("d", None, d)
     check()
     assert "b" not in tier and all(k in tier for k in "acd")
     assert tier.get("b") is None
 
-    tier.put("c", c)  # re-put refreshes c without double counting
+    tier.put("c", None, c)  # re-put refreshes c without double counting
     check()
     assert len(tier) == 3 and tier.used == 3 * size
-    tier.put("e", make_block(6, fill=9))  # a is now the oldest
+    tier.put("e", None, make_block(6, fill=9))  # a is now the oldest
     check()
     assert "a" not in tier and all(k in tier for k in "cde")
 
     # a double-size block evicts the two least recently used
-    tier.put("big", make_block(12, fill=5))
+    tier.put("big", None, make_block(12, fill=5))
     check()
     assert sorted(tier._blocks) == ["big", "e"]
 
     # a block larger than the whole budget is not kept and evicts nothing
     before = dict(tier._blocks), tier.used
-    tier.put("huge", make_block(100))
+    tier.put("huge", None, make_block(100))
     check()
     assert "huge" not in tier and (dict(tier._blocks), tier.used) == before
 
@@ -256,3 +257,28 @@ def test_no_device_tier_on_the_host(tmp_path):
     assert store.device_tier is None and not store.pinned
     got, tier = store.get(key, "none")
     assert got is block and tier == "memory"
+
+
+def test_disk_tier_keeps_its_budget_evicting_the_least_recently_used(tmp_path):
+    """Past the budget the files least recently written or read go, down to 90% of it; a read keeps a file
+    (its access time), and one budget covers the block files of every model under the same root."""
+    blocks = {name: make_block(8, fill=i) for i, name in enumerate("abcde")}
+    keys = {name: KVStore("1" * 64).key(name, block.token_ids) for name, block in blocks.items()}
+    size = len(pack("1" * 64, keys["a"], "a", blocks["a"]))
+    one, two = (KVStore(fp, tmp_path / fp[:16], disk_budget=int(3.5 * size), budget_root=tmp_path)  # three files
+                for fp in ("1" * 64, "2" * 64))
+
+    def on_disk():
+        return sorted(name for name, key in keys.items() if key in one.disk or key in two.disk)
+
+    for name, store in (("a", one), ("b", two), ("c", one)):
+        store.put(keys[name], name, blocks[name])
+        time.sleep(0.05)  # the file system's clock is coarser than a put
+    assert one.disk.read(keys["a"], "a") is not None  # read: now more recent than b and c
+    time.sleep(0.05)
+    one.put(keys["d"], "d", blocks["d"])
+    assert on_disk() == ["a", "c", "d"]  # b, another model's, was the least recently used
+    assert sum(p.stat().st_size for p in tmp_path.rglob("*.safetensors")) <= 3.5 * size
+    two.put(keys["e"], "e", blocks["e"])
+    assert on_disk() == ["a", "d", "e"]
+

@@ -33,6 +33,7 @@ from pydantic import BaseModel, Field
 HERE = Path(__file__).resolve().parent
 SAMPLE = HERE.parents[1] / "src" / "kvrag" / "sample"  # the package's sample corpus, read as plain files
 EMBEDDING_MODEL = "all-MiniLM-L6-v2"
+BATCH = 64  # passages per POST /v1/passages: well under the server's limit (256 by default)
 # The system prompt of LangChain's create_retrieval_chain tutorial (create_stuff_documents_chain joins
 # the documents with blank lines into {context}); the question goes alone in the user turn.
 SYSTEM_PROMPT = (
@@ -120,9 +121,10 @@ def create_app(server: str, api_key: str | None = None) -> FastAPI:
 
     async def add(text: str) -> dict:
         new = [p for p in dict.fromkeys(split_passages(text)) if p not in passages]
-        if new:
-            indexed = (await call("/v1/passages", {"passages": new}))["data"]  # each passage's KV, computed once
-            for passage, item, vector in zip(new, indexed, await embed(new)):
+        for start in range(0, len(new), BATCH):  # the server takes a bounded number of passages a call
+            batch = new[start : start + BATCH]
+            indexed = (await call("/v1/passages", {"passages": batch}))["data"]  # each passage's KV, computed once
+            for passage, item, vector in zip(batch, indexed, await embed(batch)):
                 passages[passage] = {"id": item["id"], "text": passage, "tokens": item["tokens"], "vector": vector}
         return {"added": len(new), "passages": len(passages)}
 

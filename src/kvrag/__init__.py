@@ -11,6 +11,7 @@ from .errors import (
     EmptyInputError,
     InputEncodingError,
     KVRagError,
+    ModelFileError,
     UnknownBlockError,
     UnsupportedModelError,
 )
@@ -29,6 +30,7 @@ __all__ = [
     "KVEngine",
     "KVRagError",
     "Mode",
+    "ModelFileError",
     "Passage",
     "Prompt",
     "PromptFormat",

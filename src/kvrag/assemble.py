@@ -11,7 +11,7 @@ import torch
 from . import kernels
 from .attention import forward
 from .rope import delta_cos_sin, shift_keys
-from .store import KVBlock, KVStore
+from .store import BadBlock, KVBlock, KVStore
 from .workspace import Workspace, WorkspacePool
 
 
@@ -23,6 +23,9 @@ class Piece:
 
 def fill(workspace: Workspace, pieces: list[Piece], inv_freq: torch.Tensor, slot: int = 0) -> int:
     """Copy the pieces' KV into consecutive workspace slots from `slot`; return the slot after them.
+    A block whose layers, heads, tokens or head dim differ from the slots it is meant for is refused
+    (BadBlock) before anything is written: copied as it is, it would leave slots holding another
+    request's KV, or write past the workspace.
 
     On a GPU nothing here waits for the device: blocks come from pinned host memory (or are on the
     device already) through `non_blocking` copies and the rotation runs on the device, so the caller
@@ -32,6 +35,8 @@ def fill(workspace: Workspace, pieces: list[Piece], inv_freq: torch.Tensor, slot
         block, n = piece.block, len(piece.block)
         keys = workspace.keys[:, 0, :, slot : slot + n]  # [layers, kv_heads, n, head_dim]
         values = workspace.values[:, 0, :, slot : slot + n]
+        if not block.keys.shape == block.values.shape == keys.shape:
+            raise BadBlock(f"KV of shape {tuple(block.keys.shape)} for workspace slots of shape {tuple(keys.shape)}")
         delta = piece.position - block.start
         cos, sin = delta_cos_sin(delta, inv_freq, keys.dtype)
         if lib and kernels.fill_applies(block.keys, block.values, keys, values):
@@ -87,14 +92,13 @@ class Blocks:
     @torch.inference_mode()
     def encode(self, ids: list[int], after: list[int] | None = None) -> KVBlock:
         """KV of `ids` alone at position 0, or right after the (cached) block `after`."""
-        pieces, start = [], 0
-        if after is not None:
-            block, _ = self.fetch(self.store.key("none", after), "none", after)
-            pieces, start = [Piece(block, 0)], len(block)
-        ws = self.pool.acquire(start + len(ids))
+        start = 0
+        ws = self.pool.acquire(len(after or ()) + len(ids))
         try:
-            fill(ws, pieces, self.inv_freq)
-            forward(self.model, ids, ws.cache(start), start, keep=-1, causal_only=not pieces)
+            if after is not None:
+                part = (self.store.key("none", after), "none", after, None, True)
+                start, _, _ = self.place(ws, 0, part, self.store.get(part[0], "none"))
+            forward(self.model, ids, ws.cache(start), start, keep=-1, causal_only=not start)
             return self.copy_out(ws, start, ids)
         finally:
             self.pool.release(ws)
@@ -112,6 +116,23 @@ class Blocks:
         if block is None:
             block, tier = self.compute(key, context, ids, after, disk), "computed"
         return block, tier
+
+    def place(self, ws: Workspace, slot: int, part, found, reorder: bool = True) -> tuple[int, KVBlock, str]:
+        """Write a block into `ws` from `slot`, moved there (`reorder`) or left where it was encoded; returns
+        (next slot, block, tier). `part`: (key, context, ids, encoded after, to disk); `found`: what the store
+        gave, (block or None, tier). A stored block that does not fit the workspace is deleted from every
+        tier, said once, and computed afresh."""
+        key, context, ids, after, disk = part
+        block, tier = found
+        if block is None:
+            block, tier = self.compute(key, context, ids, after, disk), "computed"
+        try:
+            return fill(ws, [Piece(block, slot if reorder else block.start)], self.inv_freq, slot), block, tier
+        except BadBlock as exc:
+            if tier == "computed":
+                raise
+            self.store.drop(key, f"{exc} (from the {tier} tier)")
+        return self.place(ws, slot, part, (None, "computed"), reorder)
 
     def compute(self, key: str, context: str, ids: list[int], after: list[int] | None = None, disk: bool = True):
         block = self.encode(ids, after)
@@ -132,14 +153,11 @@ class Blocks:
         slot, stored = 0, []
         for n, (key, ctx, ids, encoded_after) in enumerate(parts):
             prefix = n == 0 and bool(prompt.prefix)
-            block, tier = found.pop(key, (None, None))
-            if tier is None:  # a repeat (separators): the store has it now
-                block, tier = self.fetch(key, ctx, ids, encoded_after, disk=not prefix)
-            elif block is None:
-                block, tier = self.compute(key, ctx, ids, encoded_after, disk=not prefix), "computed"
+            looked_up = found.pop(key, None) or self.store.get(key, ctx)  # not there: a repeat (separators)
+            start = slot
+            slot, block, tier = self.place(ws, slot, (key, ctx, ids, encoded_after, not prefix), looked_up, reorder)
             if prefix and not self.store.persisted(key) and self._recurs(key):  # a prefix: to disk from its second sight
                 self.store.put(key, ctx, block)
             hits[tier] = hits.get(tier, 0) + 1
-            slot = fill(ws, [Piece(block, slot if reorder else block.start)], self.inv_freq, slot)
-            stored += [tier != "computed"] * len(block)
+            stored += [tier != "computed"] * (slot - start)
         return slot, torch.tensor(stored, dtype=torch.bool), hits

@@ -198,13 +198,17 @@ class Generation:
     """One request's token loop, advanced a token at a time by the scheduler's worker: its prefill, then
     sampling, stop strings, incremental text and timing as each step's logits arrive."""
 
-    def __init__(self, engine, build, mode: str, max_new_tokens: int, sampler: Sampler, stops: list[str],
-                 max_time=None, blend=None):
-        """`build` makes (prompt, keys): inside the timing, as is the KV loading of `engine.prefill`."""
-        self.engine, self.build, self.mode, self.max_new_tokens = engine, build, mode, max_new_tokens
+    def __init__(self, engine, prompt, keys, mode: str, max_new_tokens: int, sampler: Sampler, stops: list[str],
+                 max_time=None, blend=None, start: float | None = None):
+        """`prompt`, `keys`: built by the caller, on its own thread: tokenizing a long prompt on the worker
+        would hold up every other request's next token. `start`: when the call came (default: now), so that
+        TTFT and `max_time` count the prompt's building, as they count the KV loading of `engine.prefill`.
+        The answer is at most what the context window leaves after the prompt, whatever `max_new_tokens` says."""
+        self.engine, self.prompt, self.keys, self.mode = engine, prompt, keys, mode
+        self.budget = min(max_new_tokens, engine.context_window - len(prompt))
         self.sampler, self.stops, self.max_time, self.blend = sampler, stops, max_time, blend
         self.stream = GenerationStream()
-        self.start = time.perf_counter()
+        self.start = time.perf_counter() if start is None else start
         self.state, self.released = None, False
         self.run: list[int] = []  # the ids to run through the model next, at `self.position`
 
@@ -213,10 +217,8 @@ class Generation:
 
     def prefill(self) -> None:
         engine = self.engine
-        self.prompt, keys = self.build()
-        self.budget = min(self.max_new_tokens, engine.context_window - len(self.prompt))
-        self.state = engine.prefill(self.prompt, self.mode, keys=keys, extra_capacity=self.budget, blend=self.blend,
-                                    question=False)
+        self.state = engine.prefill(self.prompt, self.mode, keys=self.keys, extra_capacity=self.budget,
+                                    blend=self.blend, question=False)
         self.model = engine.model_for(self.mode)
         self.cache, self.position = self.state.cache, self.state.next_position
         self.tracker = TextTracker(engine.tokenizer, self.stops)

@@ -10,7 +10,9 @@ prefix, as when a block-tuned adapter serves the block modes only (`from_pretrai
 import os
 import re
 import threading
+import time
 from collections.abc import Iterable
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -21,12 +23,13 @@ from .assemble import Blocks
 from .blend import BlendConfig
 from .decode import Generation, GenerationResult, GenerationStream, Sampler
 from .errors import ContextOverflowError, EmptyInputError, UnknownBlockError
+from .locks import file_lock
 from .match import PassageMatcher
 from .paths import kvrag_home
 from .prompt import Prompt, PromptFormat, PromptLayout, check_text
-from .remote import Remote
+from .remote import Remote, shared_secret
 from .scheduler import Scheduler
-from .store import KVStore, default_storage_dtype
+from .store import BlockShape, KVStore, default_storage_dtype, parse_size
 from .workspace import WorkspacePool
 
 ADAPTER_SCOPES = ("block", "all")
@@ -42,7 +45,8 @@ class KVEngine:
                  prompt_format: PromptFormat | None = None, home: str | Path | None = None, persist: bool = True,
                  fingerprint: str | None = None, causal_fingerprint: str | None = None,
                  blend: BlendConfig | None = None, max_batch: int = 16, max_queue: int = 256,
-                 remote: "str | Remote | None" = None):
+                 remote: "str | Remote | None" = None, secret: str | bytes | None = None,
+                 disk_budget: int | str | None = None):
         """`causal_model`: other weights for the causal modes (full, prefix), say the published ones when
         `model` carries a block-tuned adapter (default: `model` in every mode). The engine runs on the
         model's device. `storage_dtype`: the stored KV's (default: the model's half dtype, else float16).
@@ -52,7 +56,11 @@ class KVEngine:
         settings (each request may pass its own). `max_batch`, `max_queue`: requests decoded together and
         requests allowed to wait for a place among them (see scheduler.py). `remote`: the URL of a Redis
         server shared with other replicas (default: $KVRAG_REMOTE, else none), the tier below the disk
-        for KV and a passage registry beside the local one (see remote.py)."""
+        for KV and a passage registry beside the local one (see remote.py). `secret`: the key of the MAC
+        that stored KV values carry, shared by every replica (default: $KVRAG_SECRET_FILE's content or
+        $KVRAG_SECRET; required with a remote tier, see `remote.shared_secret`). `disk_budget`: bytes (or
+        "20G", "500M") of KV files kept under the home's kv/ directory, least recently used evicted
+        (default: $KVRAG_DISK_BUDGET, else whatever keeps a tenth of the disk free)."""
         loading.check_supported(model.config)
         if block_context not in BLOCK_CONTEXTS:
             raise ValueError(f"block_context must be one of {BLOCK_CONTEXTS}, got {block_context!r}")
@@ -64,10 +72,16 @@ class KVEngine:
         self.home = Path(home) if home is not None else kvrag_home()
         root = self.home / "kv" / self.fingerprint[:16] if persist else None
         remote = remote if remote is not None else os.environ.get("KVRAG_REMOTE") or None
+        secret = shared_secret(secret, remote=remote if isinstance(remote, str) else remote and remote.url)
         self.remote = Remote(remote) if isinstance(remote, str) else remote
-        self.store = KVStore(self.fingerprint, root, memory_budget, device=model.device, device_budget=device_budget,
-                             remote=self.remote)
         config = model.config
+        self.context_window = loading.context_window(config)
+        shape = BlockShape(config.num_hidden_layers, config.num_key_value_heads, loading.head_dim(config),
+                           storage_dtype, self.context_window)
+        disk_budget = parse_size(disk_budget if disk_budget is not None else os.environ.get("KVRAG_DISK_BUDGET"))
+        tiers = dict(memory_budget=memory_budget, device_budget=device_budget, remote=self.remote, shape=shape,
+                     secret=secret, disk_budget=disk_budget, budget_root=self.home / "kv")
+        self.store = KVStore(self.fingerprint, root, device=model.device, **tiers)
         self.scheduler = Scheduler(max_batch, max_queue)
         self.pool = WorkspacePool(config.num_hidden_layers, config.num_key_value_heads, loading.head_dim(config),
                                   model.dtype, model.device, keep=max(2, max_batch))
@@ -79,11 +93,9 @@ class KVEngine:
             self.causal_model = loading.prepare(causal_model)
             self.causal_fingerprint = causal_fingerprint or loading.fingerprint(causal_model, tokenizer)
             causal_root = self.home / "kv" / self.causal_fingerprint[:16] if persist else None
-            self.causal_store = KVStore(self.causal_fingerprint, causal_root, memory_budget, device=causal_model.device,
-                                        device_budget=device_budget, remote=self.remote)
+            self.causal_store = KVStore(self.causal_fingerprint, causal_root, device=causal_model.device, **tiers)
             self.causal_blocks = Blocks(self.causal_model, self.causal_store, self.pool, storage_dtype, block_context)
         self.passages = PassageMatcher(root / "passages.sqlite" if root is not None else None, remote=self.remote)
-        self.context_window = loading.context_window(config)
         self.eos_ids = loading.eos_ids(model, tokenizer)
         self.blend = self._check_blend(blend or BlendConfig())
         self._known: dict[str, list[int]] = {}  # block key -> token ids, for ids handed out by index()
@@ -181,14 +193,36 @@ class KVEngine:
         context, after = self.blocks.context(prefix), self.blocks.encoded_after(prefix)
         keys = self.blocks.keys(prefix, ids_list)
         todo = {k: ids for k, ids in zip(keys, ids_list) if k not in self.store}
-        self.blocks.fetch(self.store.key("none", prefix), "none", prefix)  # every request starts with it
+        shared = [(self.store.key("none", prefix), "none", prefix, None)]  # every request starts with it
         if separator := self.layout.separator_ids:  # and every request with two passages has it
-            self.blocks.fetch(self.store.key(context, separator), context, separator, after)
-        for key, ids in tqdm(todo.items(), desc="kvrag: encoding passages", unit="passage", disable=not progress or not todo):
-            self.store.put(key, context, self.blocks.encode(ids, after))
+            shared.append((self.store.key(context, separator), context, separator, after))
+        for key, block_context, ids, encoded_after in shared:
+            with self._claim(key, wait=True):
+                self.blocks.fetch(key, block_context, ids, encoded_after)
+        with tqdm(total=len(todo), desc="kvrag: encoding passages", unit="passage",
+                  disable=not progress or not todo) as bar:
+            for wait in (False, True):  # the blocks nobody else is encoding first, then wait for the others
+                busy = {}
+                for key, ids in todo.items():
+                    with self._claim(key, wait) as claimed:
+                        if not claimed:
+                            busy[key] = ids
+                            continue
+                        if key not in self.store:  # stored by another process since `todo` was made
+                            self.store.put(key, context, self.blocks.encode(ids, after), strict=True)
+                    bar.update()
+                todo = busy
         self._known.update(zip(keys, ids_list))
         self.passages.add(texts)
         return [f"kv_{k}" for k in keys]
+
+    def _claim(self, key: str, wait: bool):
+        """Context manager: whether this process may encode block `key` now, the other processes indexing
+        into the same KV directory being told no until it is stored (a lock file per block, removed after;
+        a process that dies releases its claims). Without a directory there is nobody to share it with."""
+        if self.store.disk is None:
+            return nullcontext(True)
+        return file_lock(self.store.disk.root / "claims" / f"{key}.lock", wait=wait, remove=True)
 
     def learn(self, texts: Iterable[str]) -> None:
         """Remember passages without computing their KV: a rendered prompt that holds one (`generate_text`)
@@ -293,16 +327,16 @@ class KVEngine:
         return self.stream(question, blocks, **kwargs).drain()
 
     def stream(self, question: str, blocks=(), **kwargs) -> GenerationStream:
-        """Submit the request to the scheduler and stream its answer as text deltas (`for`, or `async for`);
-        the returned object's `result` holds text, timings and reuse, and `cancel()` stops it. Errors of
-        the request surface as the stream is read; a full queue raises `QueueFullError` here.
+        """Build the request's prompt on this thread, submit it to the scheduler and stream its answer as text
+        deltas (`for`, or `async for`); the returned object's `result` holds text, timings and reuse, and
+        `cancel()` stops it. A bad prompt (empty, unknown block, over the context window) and a full queue
+        (`QueueFullError`) raise here; errors while it runs surface as the stream is read.
 
         Options: mode, max_new_tokens, temperature, top_p, top_k, seed, stop, max_time (seconds from the
         call: a request still queued then fails with `RequestTimeoutError`, one generating ends with
         finish_reason "timeout"), and blend (a `BlendConfig` for mode "blend"; default: the engine's).
         """
-        blocks = list(blocks)
-        return self._stream(lambda: self.build_prompt(question, blocks), **kwargs)
+        return self._stream(lambda: self.build_prompt(question, list(blocks)), **kwargs)
 
     def generate_text(self, text: str, spans=None, **kwargs) -> GenerationResult:
         """Complete an already rendered prompt. See `stream_text`."""
@@ -317,6 +351,9 @@ class KVEngine:
     def _stream(self, build, *, mode: str = "block", max_new_tokens: int = 128, temperature: float = 0.0,
                 top_p: float = 1.0, top_k: int = 0, seed: int | None = None, stop: list[str] | str | None = None,
                 max_time: float | None = None, blend: BlendConfig | None = None) -> GenerationStream:
+        """`build()` makes (prompt, keys) here, on the caller's thread and inside TTFT: tokenizing and
+        matching passages never run on the scheduler's worker, which every request's next token waits for."""
+        start = time.perf_counter()
         if mode not in modes.PREFILL:
             raise ValueError(f"mode must be one of {modes.MODES}, got {mode!r}")
         if max_new_tokens < 1:
@@ -324,6 +361,7 @@ class KVEngine:
         sampler = Sampler(temperature, top_p, top_k, seed)
         stops = [stop] if isinstance(stop, str) else list(stop or [])
         blend = self._check_blend(blend) if blend is not None else self.blend
-        generation = Generation(self, build, mode, max_new_tokens, sampler, stops, max_time, blend)
+        prompt, keys = build()
+        generation = Generation(self, prompt, keys, mode, max_new_tokens, sampler, stops, max_time, blend, start)
         self.scheduler.submit(generation)
         return generation.stream

@@ -35,3 +35,16 @@ class RequestTimeoutError(KVRagError, TimeoutError):
 
 class ChromaUnavailableError(KVRagError, ConnectionError):
     """No Chroma server answers at the URL kvrag was given (`--chroma`, `$KVRAG_CHROMA`, `chroma_url=`)."""
+
+
+class DiskFullError(KVRagError, OSError):
+    """No space left (or over quota) where kvrag writes; the message names the directory and the bytes needed."""
+
+
+class ModelFileError(KVRagError):
+    """A file of a model directory (config, weights, tokenizer, chat template) is missing, truncated or garbage.
+    `path` is that file (or the directory, where no one file is to blame)."""
+
+    def __init__(self, message: str, path=None):
+        super().__init__(message)
+        self.path = path

@@ -286,9 +286,13 @@ void attend_bf16(const float* q, const float* k, const float* v, float* out, int
 // Writes one cached block into the request's buffers in a single pass: float16 keys rotated by the
 // block's position delta (cos/sin per frequency, transformers' rotate_half pairing of i and i + 32)
 // and float16 values, both converted to float32. k16, v16: [groups][n][D] contiguous, one group per
-// (layer, kv head); kout, vout: the same groups, `group_stride` floats apart.
-void fill_block(const unsigned short* k16, const unsigned short* v16, float* kout, float* vout, int groups, int n,
-                long group_stride, const float* cos, const float* sin, int threads) {
+// (layer, kv head); kout, vout: the same groups, `group_stride` floats apart, inside buffers that end
+// `capacity` floats after kout and vout. Returns -1, writing nothing, where the block would not fit
+// those buffers (the caller checks shapes too: this is the last line of defence for memory).
+int fill_block(const unsigned short* k16, const unsigned short* v16, float* kout, float* vout, int groups, int n,
+               long group_stride, const float* cos, const float* sin, int threads, long capacity) {
+    if (groups <= 0 || n <= 0 || (long)n * D > group_stride || (long)(groups - 1) * group_stride + (long)n * D > capacity)
+        return -1;
     __m512 c0 = _mm512_loadu_ps(cos), c1 = _mm512_loadu_ps(cos + 16);
     __m512 s0 = _mm512_loadu_ps(sin), s1 = _mm512_loadu_ps(sin + 16);
     #pragma omp parallel for schedule(static) num_threads(threads)
@@ -310,4 +314,5 @@ void fill_block(const unsigned short* k16, const unsigned short* v16, float* kou
                 _mm512_storeu_ps(vo + j, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(vr + j))));
         }
     }
+    return 0;
 }

@@ -249,7 +249,8 @@ def _load() -> ctypes.CDLL | None:
 def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     p, i = ctypes.c_void_p, ctypes.c_int
     lib.attend.argtypes = [p, p, p, p, i, i, i, i, ctypes.c_long, ctypes.c_float, i]
-    lib.fill_block.argtypes = [p, p, p, p, i, i, ctypes.c_long, p, p, i]
+    lib.fill_block.argtypes = [p, p, p, p, i, i, ctypes.c_long, p, p, i, ctypes.c_long]
+    lib.fill_block.restype = i
     lib.has_bf16 = hasattr(lib, "attend_bf16")  # built where the compiler targets AVX512-BF16
     if lib.has_bf16:
         lib.attend_bf16.argtypes = lib.attend.argtypes
@@ -300,7 +301,8 @@ def attend(lib, query, key, value, scale: float, in_bf16: bool | None = None) ->
 
 
 def fill_applies(block_keys, block_values, out_keys, out_values) -> bool:
-    """Whether `fill_block` takes these: float16 blocks, float32 views with (layer, head) groups evenly spaced."""
+    """Whether `fill_block` takes these: float16 blocks, float32 views with (layer, head) groups evenly spaced.
+    (Blocks whose shape differs from the views' are refused before: `assemble.fill`.)"""
     return (
         block_keys.dtype == block_values.dtype == torch.float16 and out_keys.dtype == torch.float32
         and block_keys.device.type == out_keys.device.type == "cpu" and block_keys.shape[-1] == HEAD_DIM
@@ -310,10 +312,21 @@ def fill_applies(block_keys, block_values, out_keys, out_values) -> bool:
     )
 
 
+def _room(view: torch.Tensor) -> int:
+    """Elements from the view's first to the end of the buffer it lies in."""
+    return view.untyped_storage().nbytes() // view.element_size() - view.storage_offset()
+
+
 def fill_block(lib, block_keys, block_values, out_keys, out_values, cos, sin) -> None:
     """Convert a float16 block [layers, kv_heads, n, 64] into float32 workspace views of the same shape,
-    rotating its keys by (cos, sin); the same numbers as `rope.shift_keys` and a copy."""
+    rotating its keys by (cos, sin); the same numbers as `rope.shift_keys` and a copy. A block of another
+    shape than the views is a ValueError, checked here and again by the kernel against the buffers' ends."""
+    if not block_keys.shape == block_values.shape == out_keys.shape == out_values.shape:
+        raise ValueError(f"block {tuple(block_keys.shape)}/{tuple(block_values.shape)} does not fit the workspace's "
+                         f"{tuple(out_keys.shape)}")
     layers, kv_heads, n, _ = block_keys.shape
     cos, sin = cos.reshape(-1).contiguous(), sin.reshape(-1).contiguous()
-    lib.fill_block(block_keys.data_ptr(), block_values.data_ptr(), out_keys.data_ptr(), out_values.data_ptr(),
-                   layers * kv_heads, n, out_keys.stride(1), cos.data_ptr(), sin.data_ptr(), torch.get_num_threads())
+    if lib.fill_block(block_keys.data_ptr(), block_values.data_ptr(), out_keys.data_ptr(), out_values.data_ptr(),
+                      layers * kv_heads, n, out_keys.stride(1), cos.data_ptr(), sin.data_ptr(),
+                      torch.get_num_threads(), min(_room(out_keys), _room(out_values))):
+        raise ValueError(f"block {tuple(block_keys.shape)} refused by the kernel: it would write past the workspace")

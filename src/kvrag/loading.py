@@ -13,14 +13,15 @@ import os
 import re
 import shutil
 import tempfile
+import uuid
 import warnings
 from pathlib import Path
 
 import torch
 
 from . import attention
-from .errors import KVRagError, UnsupportedModelError
-from .paths import kvrag_home, write_atomic
+from .errors import KVRagError, ModelFileError, UnsupportedModelError
+from .paths import disk_full, fsync_dir, kvrag_home, no_room, write_atomic
 from .rope import check_composable
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -97,39 +98,126 @@ def file_sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+CONVERTED = "kvrag-converted.json"
+"""Written last into a directory `convert_gguf` makes: the GGUF it came from and each file's size. A
+directory whose files no longer have those sizes is converted again."""
+CONVERTED_FILES = ("config.json", ("model.safetensors", "model.safetensors.index.json"), "tokenizer.json",
+                   "tokenizer_config.json")
+"""What a converted directory holds at the least (a tuple: one of those; large weights come in shards)."""
+
+
+def incomplete(directory: Path) -> str | None:
+    """Why a directory `convert_gguf` made cannot be reused as it is, or None. One converted before kvrag
+    wrote CONVERTED is checked for its files only (the load checks what they hold)."""
+    if not directory.is_dir():
+        return "not a directory"
+    for names in CONVERTED_FILES:
+        names = (names,) if isinstance(names, str) else names
+        if not any((directory / name).is_file() for name in names):
+            return f"no {names[0]}"
+    marker = directory / CONVERTED
+    if not marker.exists():
+        return None
+    try:
+        sizes = json.loads(marker.read_bytes())["files"]
+        sizes = {name: int(size) for name, size in sizes.items() if Path(name).name == name}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        return f"unreadable {CONVERTED}: {_one_line(exc)}"
+    for name, size in sizes.items():
+        try:
+            actual = (directory / name).stat().st_size
+        except OSError:
+            return f"no {name}"
+        if actual != size:
+            return f"{name} has {actual} bytes, {size} were written"
+    return None
+
+
+def discard(directory: Path, reason: str, gguf: Path) -> None:
+    """Take a damaged converted directory out of the way (one-line warning), so that it is converted again.
+    It is renamed first: a process still reading the old files keeps them, and another converter never
+    sees half of a deletion."""
+    warnings.warn(f"kvrag: {directory} is damaged ({reason}); rebuilding it from {gguf}", RuntimeWarning, stacklevel=3)
+    aside = directory.with_name(f".{directory.name}.damaged-{uuid.uuid4().hex[:8]}")
+    try:
+        os.replace(directory, aside)
+    except FileNotFoundError:  # another process moved it first
+        return
+    if aside.is_dir() and not aside.is_symlink():
+        shutil.rmtree(aside, ignore_errors=True)
+    else:
+        aside.unlink(missing_ok=True)
+
+
 def convert_gguf(gguf: Path, home: Path | None = None) -> Path:
-    """Dequantize a GGUF file once into a safetensors model directory and return that directory."""
+    """Dequantize a GGUF file once into a safetensors model directory and return that directory. A directory
+    made before is reused only while it is complete (`incomplete`); otherwise it is converted again."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     gguf = Path(gguf)
     target = (home or kvrag_home()) / "models" / f"{gguf.stem}-{file_sha256(gguf)[:16]}"
-    if (target / "config.json").is_file():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}-"))
+    if target.exists() or target.is_symlink():
+        reason = incomplete(target)
+        if reason is None:
+            return target
+        discard(target, reason, gguf)
+    needed = 2 * gguf.stat().st_size  # a first guess; the dequantized weights' size once they are known
     try:
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}-"))
+    except OSError as exc:
+        if no_room(exc, target.parent, needed):
+            raise disk_full(exc, target.parent, needed) from exc
+        raise
+    writing = False
+    try:
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+            model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        except (MemoryError, torch.OutOfMemoryError):
+            raise
+        except Exception as exc:
+            raise ModelFileError(f"cannot read the GGUF file {gguf}: {_one_line(exc)}", gguf) from exc
         model.hf_quantizer = None  # weights are already dequantized; save them as plain tensors
         del model.config.quantization_config
+        needed = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+        writing = True
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
+        sizes = {}
+        for path in sorted(tmp.iterdir()):
+            with open(path, "rb") as f:  # on disk before the marker says the directory is complete
+                os.fsync(f.fileno())
+            sizes[path.name] = path.stat().st_size
+        write_atomic(tmp / CONVERTED, json.dumps({"gguf": str(gguf), "files": sizes}, indent=1).encode())
         try:
             os.replace(tmp, target)
         except OSError:
-            if not (target / "config.json").is_file():  # not a lost race with another converter
+            if incomplete(target) is not None:  # not a lost race with another converter
                 raise
+        fsync_dir(target.parent)
+    except Exception as exc:
+        if writing and no_room(exc, target.parent, needed):  # safetensors says so in its own exception type
+            raise disk_full(exc, target.parent, needed) from exc
+        raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
 
 
-def resolve_model_dir(model: str | os.PathLike | None, home: Path | None = None) -> Path | str:
+def gguf_file(model: str | os.PathLike | None) -> Path | None:
+    """The GGUF file a model argument names (None: the default model's), or None for a model directory."""
     if model is None:
-        return convert_gguf(default_gguf_path(), home)
+        return default_gguf_path()
     path = Path(model).expanduser()
-    if path.is_file() and path.suffix == ".gguf":
-        return convert_gguf(path, home)
+    return path if path.is_file() and path.suffix == ".gguf" else None
+
+
+def resolve_model_dir(model: str | os.PathLike | None, home: Path | None = None) -> Path | str:
+    gguf = gguf_file(model)
+    if gguf is not None:
+        return convert_gguf(gguf, home)
+    path = Path(model).expanduser()
     if path.is_dir():
         return path
     return str(model)  # a hub id, only if it is already in the local HF cache
@@ -199,24 +287,135 @@ def load(model: str | os.PathLike | None = None, *, device: str | torch.device |
          dtype: str | torch.dtype | None = None, home: Path | None = None):
     """Return (model, tokenizer, source directory) loaded from local files only, after checking the
     architecture. `device` and `dtype` as `resolve_device` and `resolve_dtype` take them; a model too
-    large for its GPU is placed as `placement` says."""
-    from accelerate.utils import get_max_memory
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    large for its GPU is placed as `placement` says.
 
+    A file that cannot be read raises ModelFileError naming it; in a directory converted from a GGUF file
+    (the default model's) it is no error: the directory is converted again, once, and loaded."""
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
-    source = resolve_model_dir(model, home)
+    gguf = gguf_file(model)
+    source = convert_gguf(gguf, home) if gguf is not None else resolve_model_dir(model, home)
+    try:
+        lm, tokenizer = _load_from(source, model, device, dtype)
+    except ModelFileError as exc:
+        if gguf is None:
+            raise
+        discard(source, str(exc), gguf)
+        source = convert_gguf(gguf, home)
+        lm, tokenizer = _load_from(source, model, device, dtype)
+    return lm.eval(), tokenizer, local_dir(source)
+
+
+def _one_line(exc: BaseException, limit: int = 300) -> str:
+    """An exception's message on one line (library messages run to several), cut to `limit` characters."""
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def _local(source: Path | str) -> Path | None:
+    path = Path(source).expanduser()
+    return path if path.is_dir() else None
+
+
+def _load_from(source: Path | str, model, device: torch.device, dtype: torch.dtype):
+    """(model, tokenizer) from a directory or cached hub id, every file checked as it is read."""
+    from accelerate.utils import get_max_memory
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    directory = _local(source)
     try:
         config = AutoConfig.from_pretrained(source, local_files_only=True)
-    except OSError as exc:
-        raise KVRagError(f"cannot load model {model!r} from local files (kvrag never downloads): {exc}") from exc
+    except Exception as exc:
+        if directory is not None and (directory / "config.json").is_file():
+            path = directory / "config.json"
+            raise ModelFileError(f"cannot read the model config {path}: {_one_line(exc)}", path) from exc
+        if isinstance(exc, OSError):
+            raise KVRagError(f"cannot load model {model!r} from local files (kvrag never downloads): {exc}") from exc
+        raise
     check_supported(config)
-    tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=True)
+    tokenizer = load_tokenizer(source)
     where = placement(param_count(config) * dtype.itemsize, get_max_memory(), device) if device.type == "cuda" else {}
-    lm = AutoModelForCausalLM.from_pretrained(
-        source, dtype=dtype, local_files_only=True, attn_implementation=attention.NAME, **where
-    )
-    return lm.eval(), tokenizer, local_dir(source)
+    try:
+        lm, info = AutoModelForCausalLM.from_pretrained(
+            source, dtype=dtype, local_files_only=True, attn_implementation=attention.NAME, output_loading_info=True,
+            **where
+        )
+    except (MemoryError, torch.OutOfMemoryError):  # no fault of the files
+        raise
+    except Exception as exc:
+        if directory is None:
+            raise
+        raise _damaged_weights(directory, exc) from exc
+    lost = [*info.get("missing_keys", ()), *(str(k) for k in info.get("mismatched_keys", ()))]
+    if lost and directory is not None:  # transformers would have started them from random values
+        raise ModelFileError(f"cannot load the weights in {directory}: {len(lost)} tensors missing or of the wrong "
+                             f"shape ({', '.join(sorted(lost)[:3])})", directory)
+    return lm, tokenizer
+
+
+def _damaged_weights(directory: Path, exc: Exception) -> ModelFileError:
+    """The error for weights that failed to load: naming the safetensors file that does not open, if one does not."""
+    import safetensors
+
+    for path in sorted(directory.glob("*.safetensors")):
+        try:
+            with safetensors.safe_open(path, "pt"):
+                pass
+        except Exception as why:
+            return ModelFileError(f"cannot load the weights {path}: {_one_line(why)}", path)
+    return ModelFileError(f"cannot load the weights in {directory}: {_one_line(exc)}", directory)
+
+
+def _read_json(path: Path) -> None:
+    json.loads(path.read_bytes())
+
+
+def _read_text(path: Path) -> None:
+    path.read_bytes().decode("utf-8")
+
+
+def _read_tokenizer(path: Path) -> None:
+    from tokenizers import Tokenizer
+
+    Tokenizer.from_file(str(path))
+
+
+def load_tokenizer(source: Path | str):
+    """The tokenizer of a model directory or cached hub id, its chat template checked to render a message.
+    A file that cannot be read raises ModelFileError naming it (transformers' own errors name none, or end
+    deep in jinja)."""
+    from transformers import AutoTokenizer
+
+    directory = _local(source)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=True)
+    except Exception as exc:
+        if directory is None:
+            raise KVRagError(f"cannot load a tokenizer from {str(source)!r} (kvrag never downloads): "
+                             f"{_one_line(exc)}") from exc
+        checks = [("tokenizer", "tokenizer_config.json", _read_json),
+                  ("chat template", "chat_template.jinja", _read_text),
+                  ("chat template", "chat_template.json", _read_json),
+                  ("tokenizer", "tokenizer.json", _read_tokenizer),
+                  ("tokenizer", "special_tokens_map.json", _read_json),
+                  ("tokenizer", "added_tokens.json", _read_json)]
+        for what, name, read in checks:
+            if (directory / name).is_file():
+                try:
+                    read(directory / name)
+                except Exception as why:
+                    raise ModelFileError(f"cannot read the {what} {directory / name}: {_one_line(why)}",
+                                         directory / name) from exc
+        raise ModelFileError(f"cannot load the tokenizer in {directory}: {_one_line(exc)}", directory) from exc
+    if getattr(tokenizer, "chat_template", None):
+        try:  # what every prompt renders; a template that is not valid jinja fails here, not in the first request
+            tokenizer.apply_chat_template([{"role": "user", "content": "?"}], tokenize=False,
+                                          add_generation_prompt=True)
+        except Exception as exc:
+            names = ("chat_template.jinja", "chat_template.json", "tokenizer_config.json")
+            path = next((directory / n for n in names if (directory / n).is_file()), directory) if directory else source
+            raise ModelFileError(f"cannot read the chat template {path}: {_one_line(exc)}", path) from exc
+    return tokenizer
 
 
 def local_dir(source: Path | str) -> Path | None:
@@ -280,13 +479,15 @@ def _safetensors_header(path: Path) -> str:
 
 def files_identity(dirs) -> list:
     """What identifies the files of a checkpoint (and adapter) without reading their data: each file's
-    resolved path, size and modification time, and each safetensors file's header."""
+    resolved path, inode, size, modification time and inode change time, and each safetensors file's
+    header. The change time is the one a writer cannot set back: weights rewritten in place with their
+    modification time restored (`os.utime`, `cp -p`, `rsync -t`) still count as changed."""
     identity = []
     for directory in dirs:
         for path in sorted(Path(directory).iterdir()):
             if path.is_file():
                 stat = path.stat()
-                entry = [str(path.resolve()), stat.st_size, stat.st_mtime_ns]
+                entry = [str(path.resolve()), stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns]
                 if path.suffix == ".safetensors":
                     entry.append(_safetensors_header(path))
                 identity.append(entry)
@@ -311,7 +512,10 @@ def remembered_digests(model, tokenizer, dirs, home: Path | None = None) -> dict
     except (OSError, ValueError, AttributeError):  # missing, damaged or planted: hash again and rewrite
         pass
     digests = {"weights": weights_digest(model), "tokenizer": tokenizer_digest(tokenizer)}
-    write_atomic(path, json.dumps(digests).encode())
+    try:
+        write_atomic(path, json.dumps(digests).encode())
+    except OSError:  # a full disk or a read-only home: hashed again next time, nothing lost now
+        pass
     return digests
 
 

@@ -20,6 +20,9 @@ from pathlib import Path
 
 import numpy as np
 
+from .locks import file_lock
+from .paths import disk_full
+
 _BASE = np.uint64(0x100000001B3)  # odd, hence invertible modulo 2**64
 _BASE_INV = np.uint64(pow(int(_BASE), -1, 1 << 64))
 
@@ -58,6 +61,32 @@ def _open(path) -> sqlite3.Connection:
     return db
 
 
+_IN_USE = ("SQLITE_BUSY", "SQLITE_LOCKED")
+"""SQLite's errors for a registry that another connection holds past the timeout: in use, not damaged,
+so it is never moved aside for them."""
+
+
+def registered_passages(paths) -> list[str]:
+    """The texts of passage registries (passages.sqlite files), each once, read without writing to them.
+    A registry that cannot be read is skipped with a one-line warning: the engine that owns it moves it
+    aside when it next opens it."""
+    texts: dict[str, None] = {}
+    for path in paths:
+        path = Path(path)
+        try:
+            with file_lock(path.with_name(f"{path.name}.lock")):  # not while it is being created
+                db = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True, timeout=60)
+                try:
+                    rows = db.execute("SELECT text FROM passages WHERE typeof(text) = 'text' ORDER BY rowid").fetchall()
+                finally:
+                    db.close()
+        except sqlite3.DatabaseError as exc:
+            warnings.warn(f"kvrag: skipping unreadable passage registry {path}: {exc}", RuntimeWarning, stacklevel=2)
+            continue
+        texts.update(dict.fromkeys(text for (text,) in rows))
+    return list(texts)
+
+
 class PassageMatcher:
     """The texts of indexed passages, and where they occur in a prompt.
 
@@ -73,19 +102,20 @@ class PassageMatcher:
         self._lock = threading.Lock()
         self._db = self._version = None
         self._last_row = 0
+        self.path = Path(path) if path is not None else None
         if path is not None:
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
-            try:
-                self._db = _open(path)
-            except sqlite3.DatabaseError as exc:  # damaged: it only remembers texts, which indexing adds again
-                aside = Path(path).with_name(f"{Path(path).name}.damaged-{uuid.uuid4().hex[:8]}")
-                warnings.warn(f"kvrag: {path} is unusable ({exc}); moved to {aside.name}, starting afresh",
-                              RuntimeWarning, stacklevel=2)
+            path = Path(path)
+            with file_lock(path.with_name(f"{path.name}.lock")):  # created, or moved aside, by one process at a time
                 try:
+                    self._db = _open(path)
+                except sqlite3.DatabaseError as exc:  # damaged: it only remembers texts, which indexing adds again
+                    if getattr(exc, "sqlite_errorname", None) in _IN_USE:
+                        raise
+                    aside = path.with_name(f"{path.name}.damaged-{uuid.uuid4().hex[:8]}")
+                    warnings.warn(f"kvrag: {path} is unusable ({exc}); moved to {aside.name}, starting afresh",
+                                  RuntimeWarning, stacklevel=2)
                     os.replace(path, aside)
-                except FileNotFoundError:  # another process moved it first
-                    pass
-                self._db = _open(path)
+                    self._db = _open(path)
 
     def __len__(self) -> int:
         self._refresh()
@@ -96,9 +126,14 @@ class PassageMatcher:
         with self._lock:
             if self._db is not None:
                 rows = [(hashlib.sha256(t.encode("utf-8", "surrogatepass")).hexdigest(), t) for t in texts]
-                with self._db:  # one transaction: concurrent writers wait on SQLite's lock
-                    self._db.execute("BEGIN IMMEDIATE")
-                    self._db.executemany("INSERT OR IGNORE INTO passages VALUES (?, ?)", rows)
+                try:
+                    with self._db:  # one transaction: concurrent writers wait on SQLite's lock
+                        self._db.execute("BEGIN IMMEDIATE")
+                        self._db.executemany("INSERT OR IGNORE INTO passages VALUES (?, ?)", rows)
+                except sqlite3.OperationalError as exc:
+                    if getattr(exc, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL:
+                        raise disk_full(exc, self.path.parent, sum(len(t) for t in texts)) from exc
+                    raise
             for text in texts:
                 self._remember(text)
         if self.remote is not None:

@@ -24,6 +24,7 @@ from . import blend as blend_lib
 from .assemble import Blocks, Piece, fill
 from .attention import forward
 from .prompt import Prompt
+from .store import BadBlock
 from .workspace import Workspace
 
 Mode = Literal["full", "block", "composite", "prefix", "blend"]
@@ -98,8 +99,12 @@ def prefix(blocks: Blocks, prompt: Prompt, keys, ws: Workspace, keep: int, confi
         found, tier = store.get(key, context)
         if found is None:
             break
+        try:
+            position = fill(ws, [Piece(found, position)], blocks.inv_freq, position)  # copied while the next is fetched
+        except BadBlock as exc:  # computed again below, and stored afresh
+            store.drop(key, f"{exc} (from the {tier} tier)")
+            break
         hits[tier] = hits.get(tier, 0) + 1
-        position = fill(ws, [Piece(found, position)], blocks.inv_freq, position)  # copied while the next is fetched
         matched += 1
     reused = position
     cache = ws.cache(position)

@@ -1,22 +1,83 @@
 """Where kvrag keeps what it computes: KVRAG_HOME (default ~/.cache/kvrag)."""
 
+import errno
 import os
+import shutil
 import uuid
 from pathlib import Path
+
+from .errors import DiskFullError
+
+FULL = (errno.ENOSPC, errno.EDQUOT)
+"""What a write fails with when the disk (or the user's quota) has no room for it."""
 
 
 def kvrag_home() -> Path:
     return Path(os.environ.get("KVRAG_HOME") or Path.home() / ".cache" / "kvrag").expanduser()
 
 
+def size_text(n: int) -> str:
+    """Bytes for a person: 512 B, 3.4 kB, 1.2 MB, 7.0 GB."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"
+
+
+def disk_full(exc: Exception, directory: Path, needed: int) -> DiskFullError:
+    """The one-line error for a write that found no room: which directory, and how much it needed."""
+    code = getattr(exc, "errno", None) or errno.ENOSPC
+    quota = "; over the disk quota" if code == errno.EDQUOT else ""
+    error = DiskFullError(f"no space left in {directory} (needed {size_text(needed)}{quota})")
+    error.errno = code  # str() stays the message: OSError formats errno only with a strerror
+    return error
+
+
+def no_room(exc: Exception, directory: Path, needed: int) -> bool:
+    """Whether a failed write failed for want of space: an OSError that says so, or (libraries that write
+    in native code raise their own types) less free space left in `directory` than the write needed."""
+    if isinstance(exc, OSError):
+        return exc.errno in FULL
+    try:
+        return shutil.disk_usage(directory).free < needed
+    except OSError:
+        return False
+
+
+def fsync_dir(directory: Path) -> None:
+    """Make a rename (or a new file) in `directory` durable: without it a crash can lose the entry even
+    though the file's data reached the disk. File systems that cannot sync a directory are left as they are."""
+    try:
+        fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError as exc:
+        if exc.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF):
+            raise
+    finally:
+        os.close(fd)
+
+
 def write_atomic(path: Path, data: bytes) -> None:
-    """Write to a temporary name and rename into place: readers and concurrent writers only ever see
-    complete files."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+    """Write to a temporary name, fsync, rename into place and fsync the directory: readers and concurrent
+    writers only ever see complete files, and after a crash the file is either the old one or the new one
+    in full. A failed write leaves no temporary file behind; no room for it raises DiskFullError (any other
+    OSError is raised as it is)."""
+    path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex}.tmp")
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
         with open(tmp, "wb") as f:
             f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(tmp, path)
+        fsync_dir(path.parent)
+    except OSError as exc:
+        if exc.errno in FULL:
+            raise disk_full(exc, path.parent, len(data)) from exc
+        raise
     finally:
         tmp.unlink(missing_ok=True)

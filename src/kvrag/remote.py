@@ -6,6 +6,12 @@ passages the drop-in matcher looks for are a list, `kvrag:passages`, with a set 
 beside it so that each text is added once. Redis evicts on its own (`maxmemory` with an LRU
 policy); a write it refuses (full, or a value over its limit) is skipped, never an error.
 
+Whoever can write to the server could otherwise decide every replica's answers, so values carry a
+keyed MAC (store.py) with a secret every replica shares (`shared_secret`), and a value without a valid
+one is refused. The server's own access control goes in the URL: a password or an ACL user
+(`redis://USER:PASSWORD@host:6379/0`) and TLS (`rediss://`, with `?ssl_ca_certs=PATH`); the password
+never appears in a message.
+
 The server may be missing, restarting or slow. Every call is bounded by the socket timeouts, and a
 failed call reads as a miss (or skips the write): the request goes on from the local tiers or by
 computing. The first failure of an outage warns once; further calls are not tried until a backoff
@@ -15,18 +21,59 @@ outage.
 
 import hashlib
 import logging
+import os
 import queue
 import threading
 import time
 import warnings
+from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
+
+from .errors import KVRagError
 
 PREFIX = "kvrag:"
 TIMEOUT = 2.0  # seconds: connecting, and each read or write of a call (a long transfer keeps reading)
 GROUP = 4  # blocks per round trip when a request's blocks are fetched (`iter_many`)
 BACKOFF, MAX_BACKOFF = 0.5, 30.0  # seconds before the first retry after a failure, and the most
 
+SECRET_ENV, SECRET_FILE_ENV, INSECURE_ENV = "KVRAG_SECRET", "KVRAG_SECRET_FILE", "KVRAG_REMOTE_INSECURE"
+MIN_SECRET = 16  # bytes
+
 log = logging.getLogger(__name__)
+
+
+def shared_secret(secret: str | bytes | None = None, *, remote: str | None = None) -> bytes | None:
+    """The key of the MAC on stored KV values: `secret`, else the file $KVRAG_SECRET_FILE names, else
+    $KVRAG_SECRET; None where none is set. With a remote tier one is required (every replica must share
+    it), unless $KVRAG_REMOTE_INSECURE=1 says that whoever can write to the server is trusted."""
+    if secret is None and os.environ.get(SECRET_FILE_ENV):
+        path = Path(os.environ[SECRET_FILE_ENV]).expanduser()
+        try:
+            secret = path.read_bytes().strip()
+        except OSError as exc:
+            raise KVRagError(f"cannot read the shared secret {path} (${SECRET_FILE_ENV}): {exc.strerror}") from None
+    if secret is None:
+        secret = os.environ.get(SECRET_ENV) or None
+    if isinstance(secret, str):
+        secret = secret.encode()
+    if secret is not None and len(secret) < MIN_SECRET:
+        raise KVRagError(f"the shared secret has {len(secret)} bytes; use at least {MIN_SECRET} random ones "
+                         "(e.g. `openssl rand -hex 32`)")
+    if secret is None and remote is not None and os.environ.get(INSECURE_ENV) != "1":
+        raise KVRagError(
+            f"the remote tier {redacted(remote)} needs a shared secret, so that a value planted by another client is "
+            f"refused: set ${SECRET_FILE_ENV} (a file only kvrag's user can read) or ${SECRET_ENV} to the same "
+            f"random string on every replica, or ${INSECURE_ENV}=1 to trust whoever can write to that server")
+    return secret
+
+
+def redacted(url: str) -> str:
+    """`url` without its password."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = f"{parts.username or ''}:***@{parts.hostname}" + (f":{parts.port}" if parts.port else "")
+    return parts._replace(netloc=netloc).geturl()
 
 _ADD = """
 if redis.call('SADD', KEYS[1], ARGV[1]) == 1 then redis.call('RPUSH', KEYS[2], ARGV[2]) end
@@ -44,12 +91,12 @@ class Remote:
         from redis.retry import Retry
 
         if urlsplit(url).scheme not in ("redis", "rediss", "unix"):
-            raise ValueError(f"the remote tier takes a redis://, rediss:// or unix:// URL, got {url!r}")
+            raise ValueError(f"the remote tier takes a redis://, rediss:// or unix:// URL, got {redacted(url)!r}")
         given = parse_qs(urlsplit(url).query)
         options = {name: TIMEOUT for name in ("socket_timeout", "socket_connect_timeout") if name not in given}
         # kvrag retries on its own schedule (below), so a dead server costs one timeout, not several
         self.client = redis.Redis.from_url(url, retry=Retry(NoBackoff(), 0), **options)
-        self.url = url
+        self.url = redacted(url)
         self._down = (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError, OSError)
         self._refused = redis.RedisError
         self._add = self.client.register_script(_ADD)

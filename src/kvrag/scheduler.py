@@ -1,14 +1,16 @@
 """The scheduler: many requests share one model, their decode steps batched (continuous batching).
 
-Requests come from any thread or event loop; one worker thread runs the model. Each round it admits
-the requests that wait (their passages' KV placed in a workspace; full, prefix and blend mode prefill
-there and then), then runs one model call for every active request together: each one's next token,
-or a new request's question, passes through the model in one packed sequence, appended to its own
-workspace and attending to it alone (`forward_packed`), so cache lengths stay ragged and nothing is
-padded. Many users' questions are thus prefilled in one batch, and their decode steps are shared.
-Requests join and leave at token boundaries; a cancelled one leaves at the next, and its workspace
-goes back to the pool at once. The worker ends once nothing has come for a second, so an idle engine
-holds no thread; the thread that submits gives its own OpenMP team up (see threads.py).
+Requests come from any thread or event loop, their prompts already built there (tokenizing a long
+prompt here would hold up every other request's next token); one worker thread runs the model. Each
+round it admits the requests that wait (their passages' KV placed in a workspace; full, prefix and
+blend mode prefill there and then), then runs one model call for every active request together: each
+one's next token, or a new request's question, passes through the model in one packed sequence,
+appended to its own workspace and attending to it alone (`forward_packed`), so cache lengths stay
+ragged and nothing is padded. Many users' questions are thus prefilled in one batch, and their decode
+steps are shared. Requests join and leave at token boundaries; a cancelled one leaves at the next,
+and its workspace goes back to the pool at once. The worker ends once nothing has come for a second,
+so an idle engine holds no thread; the thread that submits gives its own OpenMP team up (see
+threads.py).
 """
 
 import collections

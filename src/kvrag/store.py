@@ -1,32 +1,53 @@
-"""Content-addressed KV store: in-process LRUs under byte budgets, then safetensors files, then a
-shared remote tier (Redis, see remote.py) that replicas on other machines read and write.
+"""Content-addressed KV store: tiers looked up top down (device ▸ memory ▸ disk ▸ remote), each a `Tier`
+with `get_many`, `put`, `delete` and `in`; a hit below the top is copied into the tiers above it.
 
 A block's key hashes the model fingerprint, the block context and the token ids, so KV from
 another model, tokenizer, template or context can never be found under the same key. Files
-are written to a temporary name and renamed into place, so readers and concurrent writers only
-ever see complete files. A file and a remote value hold the same bytes (`pack`), whose header
-repeats the fingerprint, key, context, token ids' hash and a checksum; one that fails any check
-is deleted and reported as a miss, never served.
+are written to a temporary name, synced and renamed into place, so readers and concurrent writers
+only ever see complete files; the disk tier evicts its least recently used files past a byte budget.
+A file and a remote value hold the same bytes (`pack`).
+
+Whatever comes back from a file or a shared server is untrusted input (`unpack`): the header must
+name this key, fingerprint and context; the tensors' names, dtypes and shapes must be what this model's
+blocks have (`BlockShape`) before any tensor is read; the token ids must hash to the key; with a shared
+secret a keyed MAC (HMAC-SHA256) must match, else a CRC32 catches accidents; the values must be finite
+and of plausible size. A value that fails is deleted from its tier, reported in one line and
+recomputed, never served.
 
 For a model on a GPU the host copies sit in pinned memory, from which the GPU copies blocks
 asynchronously, and an optional device tier keeps the most recently used blocks on the GPU itself.
 """
 
 import hashlib
+import hmac
 import json
+import os
+import shutil
 import threading
+import time
 import warnings
 import zlib
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import safetensors.torch
 import torch
 
+from .errors import DiskFullError
 from .paths import write_atomic
 
 FORMAT = "kvrag-kv/1"
+MAX_ABS = 1e4
+"""Largest magnitude a stored key or value may have. Attention keys and values of real models stay far
+below it (float16 storage itself ends at 65504); a larger one, or a NaN, is a damaged or planted block."""
+MAX_HEADER = 1 << 16  # bytes: a block's header names three tensors and a few fields
+DTYPE_NAMES = {torch.float16: "F16", torch.bfloat16: "BF16", torch.float32: "F32", torch.int32: "I32"}
+
+
+class BadBlock(ValueError):
+    """A stored value that must not be served: damaged, planted, or made for another model."""
 
 
 @dataclass
@@ -49,6 +70,29 @@ class KVBlock:
         return sum(t.numel() * t.element_size() for t in (self.token_ids, self.keys, self.values))
 
 
+@dataclass(frozen=True)
+class BlockShape:
+    """What every block of one model must be: [layers, kv_heads, tokens, head_dim] in `dtype`, with at
+    most `max_tokens` tokens starting below `max_tokens`."""
+
+    layers: int
+    kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    max_tokens: int
+
+    def check(self, keys_shape, dtype, tokens: int, start: int) -> None:
+        """BadBlock unless a block of `tokens` tokens with this keys/values shape and dtype fits the model."""
+        if dtype != self.dtype:
+            raise BadBlock(f"KV in {dtype}, the model's blocks are {self.dtype}")
+        expected = (self.layers, self.kv_heads, tokens, self.head_dim)
+        if tuple(keys_shape) != expected:
+            raise BadBlock(f"KV of shape {tuple(keys_shape)}, the model's is [layers, kv_heads, tokens, head_dim] = "
+                           f"{list(expected)}")
+        if not 0 < tokens <= self.max_tokens or not 0 <= start < self.max_tokens:
+            raise BadBlock(f"{tokens} tokens from position {start}, beyond the model's {self.max_tokens}")
+
+
 def ids_digest(token_ids) -> str:
     data = torch.as_tensor(token_ids, dtype=torch.int32).contiguous().numpy().tobytes()
     return hashlib.sha256(data).hexdigest()
@@ -69,20 +113,37 @@ def default_storage_dtype(model_dtype: torch.dtype) -> torch.dtype:
     return model_dtype if model_dtype in (torch.float16, torch.bfloat16) else torch.float16
 
 
-def _checksum(tensors: dict[str, torch.Tensor]) -> str:
+def _bytes(tensor: torch.Tensor):
+    return tensor.contiguous().view(torch.uint8).numpy()
+
+
+def _checksum(tensors: dict) -> str:
     crc = 0
     for name in sorted(tensors):
-        crc = zlib.crc32(tensors[name].contiguous().view(torch.uint8).numpy(), crc)
+        crc = zlib.crc32(tensors[name], crc)
     return f"{crc:08x}"
 
 
-def pack(fingerprint: str, key: str, context: str, block: KVBlock) -> bytes:
-    """A block as the disk and remote tiers keep it: safetensors bytes whose header says what they hold."""
+def _mac(secret: bytes, metadata: dict, tensors: dict) -> str:
+    """HMAC-SHA256 of the header's fields (but the MAC) and of every tensor's name, dtype, shape and bytes."""
+    fields = {k: v for k, v in metadata.items() if k != "mac"}
+    h = hmac.new(secret, json.dumps(fields, sort_keys=True).encode(), hashlib.sha256)
+    for name in sorted(tensors):
+        dtype, shape, data = tensors[name]
+        h.update(f"\0{name}\0{dtype}\0{list(shape)}\0".encode())
+        h.update(data)
+    return h.hexdigest()
+
+
+def pack(fingerprint: str, key: str, context: str, block: KVBlock, secret: bytes | None = None) -> bytes:
+    """A block as the disk and remote tiers keep it: safetensors bytes whose header says what they hold,
+    with a keyed MAC where the store has a shared secret."""
     tensors = {
         "token_ids": block.token_ids.to(torch.int32).contiguous(),
         "keys": block.keys.contiguous(),
         "values": block.values.contiguous(),
     }
+    raw = {name: _bytes(t) for name, t in tensors.items()}
     metadata = {
         "format": FORMAT,
         "fingerprint": fingerprint,
@@ -90,41 +151,122 @@ def pack(fingerprint: str, key: str, context: str, block: KVBlock) -> bytes:
         "context": context,
         "start": str(block.start),
         "ids_sha256": ids_digest(block.token_ids),
-        "checksum": _checksum(tensors),
+        "checksum": _checksum(raw),
     }
+    if secret is not None:
+        described = {name: (DTYPE_NAMES[t.dtype], t.shape, raw[name]) for name, t in tensors.items()}
+        metadata["mac"] = _mac(secret, metadata, described)
     return safetensors.torch.save(tensors, metadata=metadata)
 
 
-def unpack(data: bytes, fingerprint: str, key: str, context: str) -> KVBlock:
-    """The block in `data`, or ValueError if anything in it is not what `pack` wrote for this key. The header
-    is checked before any tensor is read; the tensors are copies, not views of `data`."""
+def _header(data: bytes) -> tuple[dict, dict, memoryview]:
+    """(metadata, tensor entries, data section) of safetensors bytes, read without reading any tensor."""
     size = int.from_bytes(data[:8], "little")
-    if len(data) < 8 or size > len(data) - 8:
-        raise ValueError(f"not a safetensors value ({len(data)} bytes)")
-    header = json.loads(data[8 : 8 + size])
-    metadata = header.get("__metadata__") if isinstance(header, dict) else None
-    metadata = metadata if isinstance(metadata, dict) else {}
+    if len(data) < 8 or size > min(len(data) - 8, MAX_HEADER):
+        raise BadBlock(f"not a KV block ({len(data)} bytes)")
+    try:
+        header = json.loads(bytes(data[8 : 8 + size]))
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise BadBlock(f"unreadable header: {exc}") from None
+    if not isinstance(header, dict) or not isinstance(header.get("__metadata__"), dict):
+        raise BadBlock("no header fields")
+    metadata = header.pop("__metadata__")
+    return metadata, header, memoryview(data)[8 + size :]
+
+
+def _entries(header: dict, body: memoryview, shape: BlockShape | None) -> dict:
+    """{name: (dtype name, shape, bytes)} of the three tensors, once their dtypes and shapes are what a
+    block of this model holds and their offsets cover the data section exactly."""
+    if set(header) != {"token_ids", "keys", "values"}:
+        raise BadBlock(f"tensors {sorted(header)}, expected keys, token_ids, values")
+    sizes = {name: torch.tensor([], dtype=dtype).element_size() for dtype, name in DTYPE_NAMES.items()}
+    described = []
+    for name, entry in header.items():
+        try:
+            dtype, dims, (begin, stop) = entry["dtype"], [int(d) for d in entry["shape"]], entry["data_offsets"]
+            count = 1
+            for d in dims:
+                count *= d
+            if dtype in sizes and min(dims, default=0) >= 0 and int(stop) - int(begin) == count * sizes[dtype]:
+                described.append((int(begin), int(stop), name, dtype, dims))
+                continue
+        except (KeyError, TypeError, ValueError):
+            pass
+        raise BadBlock(f"tensor {name!r} is described inconsistently: {entry}")
+    entries, end = {}, 0
+    for begin, stop, name, dtype, dims in sorted(described):
+        if begin != end:
+            raise BadBlock(f"tensor {name!r} at bytes {begin}-{stop} of the data section, expected from {end}")
+        entries[name], end = (dtype, dims, body[begin:stop]), stop
+    if end != len(body):
+        raise BadBlock(f"data section of {len(body)} bytes, the tensors take {end}")
+    (ids_dtype, ids_shape, _), (k_dtype, k_shape, _), (v_dtype, v_shape, _) = (
+        entries[n] for n in ("token_ids", "keys", "values"))
+    if ids_dtype != "I32" or len(ids_shape) != 1 or k_dtype != v_dtype or k_shape != v_shape or len(k_shape) != 4 \
+            or k_shape[2] != ids_shape[0]:
+        raise BadBlock(f"inconsistent tensors: token_ids {ids_dtype}{ids_shape}, keys {k_dtype}{k_shape}, "
+                       f"values {v_dtype}{v_shape}")
+    if shape is not None and k_dtype != DTYPE_NAMES.get(shape.dtype):
+        raise BadBlock(f"KV in {k_dtype}, the model's blocks are {shape.dtype}")
+    return entries
+
+
+def unpack(data: bytes, fingerprint: str, key: str, context: str, shape: BlockShape | None = None,
+           secret: bytes | None = None) -> KVBlock:
+    """The block in `data`, or BadBlock (a ValueError) if anything in it is not what `pack` wrote for this
+    key and this model. Everything that can be checked from the header is, before any tensor is read;
+    the tensors are copies, not views of `data`."""
+    metadata, header, body = _header(data)
     expected = {"format": FORMAT, "fingerprint": fingerprint, "key": key, "context": context}
     for field, value in expected.items():
         if metadata.get(field) != value:
-            raise ValueError(f"header field {field!r} is {metadata.get(field)!r}, expected {value!r}")
-    tensors = safetensors.torch.load(data)
-    if _checksum(tensors) != metadata.get("checksum"):
-        raise ValueError("checksum mismatch")
-    if ids_digest(tensors["token_ids"]) != metadata.get("ids_sha256"):
-        raise ValueError("token ids do not match the header")
+            raise BadBlock(f"header field {field!r} is {metadata.get(field)!r}, expected {value!r}")
+    entries = _entries(header, body, shape)
+    try:
+        start = int(metadata["start"])
+    except (KeyError, ValueError):
+        raise BadBlock(f"header field 'start' is {metadata.get('start')!r}") from None
+    if shape is not None:
+        shape.check(entries["keys"][1], shape.dtype, entries["token_ids"][1][0], start)
+    if secret is not None:
+        if not hmac.compare_digest(str(metadata.get("mac", "")), _mac(secret, metadata, entries)):
+            raise BadBlock("no valid MAC: not written with this store's shared secret")
+    elif _checksum({name: entry[2] for name, entry in entries.items()}) != metadata.get("checksum"):
+        raise BadBlock("checksum mismatch")
+    tensors = safetensors.torch.load(bytes(data) if not isinstance(data, bytes) else data)
     keys, values, ids = tensors["keys"], tensors["values"], tensors["token_ids"]
-    if keys.shape != values.shape or keys.ndim != 4 or keys.shape[2] != ids.numel():
-        raise ValueError(f"inconsistent shapes keys={tuple(keys.shape)} values={tuple(values.shape)}")
-    return KVBlock(ids.to(torch.long), keys, values, int(metadata["start"]))
+    if ids_digest(ids) != metadata.get("ids_sha256") or block_key(fingerprint, context, ids) != key:
+        raise BadBlock("token ids do not match the header and key")
+    for name, tensor in (("keys", keys), ("values", values)):
+        low, high = torch.aminmax(tensor)  # a NaN anywhere makes both NaN
+        if not (-MAX_ABS <= float(low) and float(high) <= MAX_ABS):
+            raise BadBlock(f"{name} outside [-{MAX_ABS:g}, {MAX_ABS:g}] (min {float(low):g}, max {float(high):g})")
+    return KVBlock(ids.to(torch.long), keys, values, start)
+
+
+class Tier(Protocol):
+    """One level of the store. `get_many` answers the (key, context) pairs it holds intact (deleting and
+    reporting what it finds damaged); `put` keeps a block and returns it as this tier holds it."""
+
+    name: str
+
+    def get_many(self, items: list[tuple[str, str]]) -> dict[str, KVBlock]: ...
+
+    def put(self, key: str, context: str, block: KVBlock) -> KVBlock: ...
+
+    def delete(self, key: str) -> None: ...
+
+    def __contains__(self, key: str) -> bool: ...
 
 
 class MemoryTier:
     """Least-recently-used blocks, evicted once their total size exceeds the byte budget; the blocks
-    may sit in host or device memory (the store's memory and device tiers)."""
+    may sit in host or device memory (the store's memory and device tiers). `place` makes the copy the
+    tier keeps (pinned host memory, or the device)."""
 
-    def __init__(self, budget_bytes: int):
-        self.budget = budget_bytes
+    def __init__(self, budget_bytes: int, name: str = "memory", place=None):
+        self.budget, self.name = budget_bytes, name
+        self.place = place or (lambda block: block)
         self.used = 0
         self._blocks: OrderedDict[str, KVBlock] = OrderedDict()
         self._lock = threading.Lock()
@@ -136,9 +278,13 @@ class MemoryTier:
                 self._blocks.move_to_end(key)
             return block
 
-    def put(self, key: str, block: KVBlock) -> None:
+    def get_many(self, items):
+        return {key: block for key, _ in items if (block := self.get(key)) is not None}
+
+    def put(self, key: str, context: str | None, block: KVBlock) -> KVBlock:
+        block = self.place(block)
         if block.nbytes > self.budget:
-            return
+            return block
         with self._lock:
             old = self._blocks.pop(key, None)
             if old is not None:
@@ -148,6 +294,18 @@ class MemoryTier:
             while self.used > self.budget:
                 _, evicted = self._blocks.popitem(last=False)
                 self.used -= evicted.nbytes
+        return block
+
+    def delete(self, key: str) -> None:
+        with self._lock:
+            old = self._blocks.pop(key, None)
+            if old is not None:
+                self.used -= old.nbytes
+
+    def clear(self) -> None:
+        with self._lock:
+            self._blocks.clear()
+            self.used = 0
 
     def __contains__(self, key: str) -> bool:
         return key in self._blocks
@@ -156,12 +314,94 @@ class MemoryTier:
         return len(self._blocks)
 
 
-class DiskTier:
-    """One safetensors file per block under root/<key[:2]>/<key>.safetensors."""
+def parse_size(size: int | str | None) -> int | None:
+    """Bytes in `size`: a number, or one with a unit ("500M", "20G", "1.5T", powers of 1024); None stays None."""
+    if size is None or isinstance(size, int):
+        return size
+    text = str(size).strip().upper().removesuffix("B").removesuffix("I")
+    scale = 1024 ** (" KMGT".index(text[-1]) if text and text[-1] in "KMGT" else 0)
+    try:
+        value = float(text.rstrip("KMGT")) * scale
+    except ValueError:
+        value = -1
+    if not 0 <= value < 2**63:
+        raise ValueError(f"a size is bytes or a number with K, M, G or T (e.g. 20G), got {size!r}")
+    return int(value)
 
-    def __init__(self, root: Path, fingerprint: str):
-        self.root = Path(root)
-        self.fingerprint = fingerprint
+
+class DiskBudget:
+    """The block files under one directory, kept within `limit` bytes or, with no limit, within what leaves
+    `RESERVE` of the filesystem free. Past that, the files least recently written or read are deleted until
+    a tenth of the allowance is free again. Every disk tier of this process under the same directory shares
+    one (`for_root`); other processes' writes are counted at each sweep, and at least every `RESCAN` writes."""
+
+    RESCAN, RESERVE = 1024, 0.1
+    _shared: dict = {}
+    _shared_lock = threading.Lock()
+
+    def __init__(self, root: Path, limit: int | None):
+        self.root, self.limit = root, limit
+        self.used, self.writes = None, 0  # bytes of block files as last counted, plus this process's writes since
+        self._lock = threading.Lock()
+
+    @classmethod
+    def for_root(cls, root: Path, limit: int | None) -> "DiskBudget":
+        with cls._shared_lock:
+            budget = cls._shared.setdefault(Path(root).resolve(), cls(Path(root), limit))
+            budget.limit = limit  # the latest engine's word
+            return budget
+
+    def wrote(self, size: int) -> None:
+        """Count a write; sweep when the allowance is exceeded (or may be: other processes write too)."""
+        with self._lock:
+            self.writes += 1
+            if self.used is not None and self.writes % self.RESCAN:
+                self.used += size
+                if self.limit is not None and self.used <= self.limit:
+                    return
+                if self.limit is None:
+                    usage = shutil.disk_usage(self.root)
+                    if usage.free >= self.RESERVE * usage.total:
+                        return
+            self.used = self._sweep()
+
+    def _sweep(self) -> int:
+        """Delete the least recently used block files while they exceed the allowance, down to 90% of it;
+        the bytes the block files take afterwards."""
+        files = []
+        for path in self.root.glob("**/??/*.safetensors"):
+            try:
+                info = path.stat()
+            except FileNotFoundError:  # another process evicted it
+                continue
+            files.append((max(info.st_atime_ns, info.st_mtime_ns), info.st_size, path))
+        total = sum(size for _, size, _ in files)
+        allowance = self.limit
+        if allowance is None:
+            usage = shutil.disk_usage(self.root)
+            allowance = total + usage.free - self.RESERVE * usage.total
+        if total <= allowance:
+            return total
+        for _, size, path in sorted(files):
+            if total <= 0.9 * allowance:
+                break
+            path.unlink(missing_ok=True)
+            total -= size
+        return total
+
+
+class DiskTier:
+    """One safetensors file per block under root/<key[:2]>/<key>.safetensors, within a `DiskBudget` of
+    `budget` bytes for every block file under `budget_root` (default: root; the engine's is the home's kv/,
+    so that one budget covers the KV of every model there). A read refreshes a file's access time, which
+    the budget's sweeps go by."""
+
+    name = "disk"
+
+    def __init__(self, root: Path, fingerprint: str, *, shape: BlockShape | None = None, secret: bytes | None = None,
+                 budget: int | None = None, budget_root: Path | None = None):
+        self.root, self.fingerprint, self.shape, self.secret = Path(root), fingerprint, shape, secret
+        self.budget = DiskBudget.for_root(budget_root or root, budget)
 
     def path(self, key: str) -> Path:
         return self.root / key[:2] / f"{key}.safetensors"
@@ -169,21 +409,43 @@ class DiskTier:
     def __contains__(self, key: str) -> bool:
         return self.path(key).is_file()
 
-    def put(self, key: str, context: str, block: KVBlock) -> None:
-        write_atomic(self.path(key), pack(self.fingerprint, key, context, block))
+    def put(self, key: str, context: str, block: KVBlock) -> KVBlock:
+        """Write the block's file (DiskFullError where there is no room for it)."""
+        data = pack(self.fingerprint, key, context, block, self.secret)
+        write_atomic(self.path(key), data)
+        self.budget.wrote(len(data))
+        return block
 
-    def get(self, key: str, context: str) -> KVBlock | None:
+    def get_many(self, items):
+        found = {}
+        for key, context in items:
+            block = self.read(key, context)
+            if block is not None:
+                found[key] = block
+        return found
+
+    def read(self, key: str, context: str) -> KVBlock | None:
         """The tensors come from one read of the file into memory: `safe_open`'s would stay mapped to the
         file, and a file truncated later would end the process."""
         path = self.path(key)
         try:
-            return unpack(path.read_bytes(), self.fingerprint, key, context)
-        except FileNotFoundError:
+            data = path.read_bytes()
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
             return None
+        try:
+            block = unpack(data, self.fingerprint, key, context, self.shape, self.secret)
         except Exception as exc:  # any defect means the file must not be served
-            warnings.warn(f"kvrag: dropping unusable KV file {path}: {exc}", RuntimeWarning, stacklevel=3)
+            warnings.warn(f"kvrag: dropping unusable KV file {path}: {exc}", RuntimeWarning, stacklevel=4)
             path.unlink(missing_ok=True)
             return None
+        try:  # most recently used, evicted last: the access time says so, the modification time stays the write's
+            os.utime(path, ns=(time.time_ns(), os.stat(path).st_mtime_ns))
+        except OSError:
+            pass
+        return block
+
+    def delete(self, key: str) -> None:
+        self.path(key).unlink(missing_ok=True)
 
 
 class RemoteTier:
@@ -193,14 +455,20 @@ class RemoteTier:
     checks is deleted; an unreachable or slow server reads as misses and skips writes (remote.py says
     how it recovers)."""
 
-    def __init__(self, remote, fingerprint: str):
-        self.remote, self.fingerprint = remote, fingerprint
+    name = "remote"
+
+    def __init__(self, remote, fingerprint: str, *, shape: BlockShape | None = None, secret: bytes | None = None):
+        self.remote, self.fingerprint, self.shape, self.secret = remote, fingerprint, shape, secret
 
     def __contains__(self, key: str) -> bool:
         return self.remote.exists(key)
 
-    def put(self, key: str, context: str, block: KVBlock) -> None:
-        self.remote.put(key, pack(self.fingerprint, key, context, block))
+    def put(self, key: str, context: str, block: KVBlock) -> KVBlock:
+        self.remote.put(key, pack(self.fingerprint, key, context, block, self.secret))
+        return block
+
+    def delete(self, key: str) -> None:
+        self.remote.delete(key)
 
     def get_many(self, items: list[tuple[str, str]]) -> dict[str, KVBlock]:
         """{key: block} for the (key, context) pairs found intact."""
@@ -209,9 +477,10 @@ class RemoteTier:
             if data is None:
                 continue
             try:
-                found[key] = unpack(data, self.fingerprint, key, context)
+                found[key] = unpack(data, self.fingerprint, key, context, self.shape, self.secret)
             except Exception as exc:
-                warnings.warn(f"kvrag: dropping unusable remote KV value {key}: {exc}", RuntimeWarning, stacklevel=3)
+                warnings.warn(f"kvrag: dropping unusable remote KV value {key} from {self.remote}: {exc}",
+                              RuntimeWarning, stacklevel=4)
                 self.remote.delete(key)
         return found
 
@@ -225,24 +494,33 @@ class KVStore:
     tier (`device_budget` bytes, 0 for none) holds the most recently used blocks on the GPU itself. On
     the CPU host memory is the device's: nothing is pinned and there is no device tier.
     Block token ids always stay on the host: they are read as Python lists.
+
+    `shape`: what this model's blocks are, checked on every block read from disk or the remote tier
+    (None: only their own consistency). `secret`: the key of the MAC every stored value carries and must
+    carry to be read (see remote.shared_secret). `disk_budget`, `budget_root`: see DiskTier.
     """
 
     def __init__(self, fingerprint: str, root: Path | None = None, memory_budget: int = 1 << 30, *,
-                 device: str | torch.device | None = None, device_budget: int = 0, remote=None):
+                 device: str | torch.device | None = None, device_budget: int = 0, remote=None,
+                 shape: BlockShape | None = None, secret: bytes | None = None, disk_budget: int | None = None,
+                 budget_root: Path | None = None):
         self.fingerprint = fingerprint
         self.device = torch.device(device if device is not None else "cpu")
         self.pinned = self.device.type == "cuda"
-        self.memory = MemoryTier(memory_budget)
-        self.device_tier = MemoryTier(device_budget) if self.device.type != "cpu" and device_budget > 0 else None
-        self.disk = DiskTier(root, fingerprint) if root is not None else None
-        self.remote = RemoteTier(remote, fingerprint) if remote is not None else None
+        self.memory = MemoryTier(memory_budget, "memory", self._on_host)
+        on_device = self.device.type != "cpu" and device_budget > 0
+        self.device_tier = MemoryTier(device_budget, "device", self._on_device) if on_device else None
+        tiered = dict(shape=shape, secret=secret)
+        self.disk = DiskTier(root, fingerprint, budget=disk_budget, budget_root=budget_root, **tiered) if root else None
+        self.remote = RemoteTier(remote, fingerprint, **tiered) if remote is not None else None
+        self.tiers: list[Tier] = [t for t in (self.device_tier, self.memory, self.disk, self.remote) if t is not None]
+        self._full_reported = False
 
     def key(self, context: str, token_ids) -> str:
         return block_key(self.fingerprint, context, token_ids)
 
     def __contains__(self, key: str) -> bool:
-        return (key in self.memory or (self.device_tier is not None and key in self.device_tier)
-                or (self.disk is not None and key in self.disk) or (self.remote is not None and key in self.remote))
+        return any(key in tier for tier in self.tiers)
 
     def persisted(self, key: str) -> bool:
         """Whether the block outlives the process: on disk, or there is no disk to put it on."""
@@ -274,56 +552,46 @@ class KVStore:
         return self.get_many([(key, context)])[key]
 
     def get_many(self, items: list[tuple[str, str]]) -> dict[str, tuple[KVBlock | None, str]]:
-        """`get` for several (key, context) pairs; the ones no local tier holds come from the remote tier
-        together (`RemoteTier.get_many`)."""
-        found, remote = {}, []
-        for key, context in items:
-            found[key] = self._get_local(key, context)
-            if found[key][0] is None and self.remote is not None:
-                remote.append((key, context))
-        if remote:
-            contexts = dict(remote)
-            for key, block in self.remote.get_many(remote).items():
-                block = self._on_host(block)
-                if self.disk is not None:
-                    self.disk.put(key, contexts[key], block)
-                found[key] = self._fill(key, block), "remote"
+        """`get` for several (key, context) pairs, each tier asked once for what the tiers above it missed
+        (the remote tier fetches its share together, `RemoteTier.get_many`)."""
+        found, missing = {}, list(dict.fromkeys(items))
+        for level, tier in enumerate(self.tiers):
+            if not missing:
+                break
+            contexts = dict(missing)
+            for key, block in tier.get_many(missing).items():
+                for upper in reversed(self.tiers[:level]):
+                    block = upper.put(key, contexts[key], block)
+                found[key] = block, tier.name
+            missing = [(key, context) for key, context in missing if key not in found]
+        for key, _ in missing:
+            found[key] = None, "miss"
         return found
 
-    def _get_local(self, key: str, context: str) -> tuple[KVBlock | None, str]:
-        if self.device_tier is not None:
-            block = self.device_tier.get(key)
-            if block is not None:
-                return block, "device"
-        block, tier = self.memory.get(key), "memory"
-        if block is None and self.disk is not None:
-            block, tier = self.disk.get(key, context), "disk"
-            if block is not None:  # pinned only once read and checked: a failure to pin is not a bad file
-                block = self._on_host(block)
-        if block is None:
-            return None, "miss"
-        return self._fill(key, block) if tier != "memory" else self._to_device(key, block), tier
-
-    def _fill(self, key: str, host: KVBlock) -> KVBlock:
-        """Keep a block read from below in memory (and on the device); the copy nearest the device."""
-        self.memory.put(key, host)
-        return self._to_device(key, host)
-
-    def _to_device(self, key: str, block: KVBlock) -> KVBlock:
-        if self.device_tier is None:
-            return block
-        block = self._on_device(block)
-        self.device_tier.put(key, block)
-        return block
-
-    def put(self, key: str, context: str, block: KVBlock, disk: bool = True) -> None:
+    def put(self, key: str, context: str, block: KVBlock, disk: bool = True, strict: bool = False) -> None:
         """Keep `block` in memory, on the device when there is a device tier, and (unless `disk` is False:
-        KV of one request, not worth keeping) on disk and in the remote tier."""
+        KV of one request, not worth keeping) on disk and in the remote tier. A full disk raises
+        DiskFullError with `strict` (indexing, whose point is the files); otherwise the block stays in
+        memory, and the first time this store finds no room it says so."""
         host = self._on_host(block)
-        if self.disk is not None and disk:
-            self.disk.put(key, context, host)
-        if self.remote is not None and disk:
-            self.remote.put(key, context, host)
-        self.memory.put(key, host)
+        for tier in (self.disk, self.remote) if disk else ():
+            if tier is None:
+                continue
+            try:
+                tier.put(key, context, host)
+            except DiskFullError as exc:
+                if strict:
+                    raise
+                if not self._full_reported:
+                    self._full_reported = True
+                    warnings.warn(f"kvrag: {exc}; KV not written to disk stays in memory only", RuntimeWarning,
+                                  stacklevel=2)
+        self.memory.put(key, context, host)
         if self.device_tier is not None:
-            self.device_tier.put(key, self._on_device(block))
+            self.device_tier.put(key, context, block)
+
+    def drop(self, key: str, why: str) -> None:
+        """Delete a block found unfit to serve from every tier, and say why once."""
+        warnings.warn(f"kvrag: dropping unusable KV block {key}: {why}", RuntimeWarning, stacklevel=3)
+        for tier in self.tiers:
+            tier.delete(key)

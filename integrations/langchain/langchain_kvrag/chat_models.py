@@ -14,6 +14,7 @@ Both become one rendered chat-template string plus the passages' character spans
 prompt that renders to the same text gives the same blocks and the same answer either way.
 """
 
+import asyncio
 import warnings
 from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
@@ -179,9 +180,10 @@ class ChatKVRag(BaseChatModel):
         run_manager: AsyncCallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> AsyncIterator[ChatGenerationChunk]:
-        """Read from the engine's scheduler on the event loop, no thread per request: concurrent calls
-        (`abatch`, many users) are decoded in one batch."""
-        stream, spans, mode = self._submit(messages, stop, kwargs)
+        """Read from the engine's scheduler on the event loop: concurrent calls (`abatch`, many users) are
+        decoded in one batch. The prompt is built (tokenized, its passages found) on a pool thread, so a
+        long one never holds up the loop."""
+        stream, spans, mode = await asyncio.to_thread(self._submit, messages, stop, kwargs)
         async for delta in stream:
             chunk = ChatGenerationChunk(message=AIMessageChunk(content=delta))
             if run_manager:
@@ -210,7 +212,7 @@ class ChatKVRag(BaseChatModel):
     ) -> ChatResult:
         if self.streaming:
             return await agenerate_from_stream(self._astream(messages, stop, run_manager, **kwargs))
-        stream, spans, mode = self._submit(messages, stop, kwargs)
+        stream, spans, mode = await asyncio.to_thread(self._submit, messages, stop, kwargs)
         async for _ in stream:
             pass
         return self._chat_result(stream.result, spans, mode)

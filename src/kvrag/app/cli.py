@@ -12,6 +12,7 @@ import importlib.util
 import json
 import os
 import sys
+import warnings
 from importlib import resources
 from pathlib import Path
 
@@ -40,7 +41,7 @@ def _engine(args, **options):
     adapter = None if args.adapter == "none" else args.adapter
     return KVEngine.from_pretrained(args.model, home=args.home, block_context=args.block_context, adapter=adapter,
                                     adapter_scope=args.adapter_scope, device=args.device, dtype=args.dtype,
-                                    remote=args.remote, **options)
+                                    remote=args.remote, disk_budget=args.disk_budget, **options)
 
 
 def _home(args) -> Path:
@@ -82,12 +83,9 @@ def _passages(encode, texts: dict, max_tokens: int):
 
 
 def _tokenizer(source):
-    from transformers import AutoTokenizer
+    from kvrag import loading
 
-    try:
-        return AutoTokenizer.from_pretrained(source, local_files_only=True)
-    except (OSError, ValueError) as exc:
-        raise KVRagError(f"cannot load a tokenizer from {str(source)!r} (kvrag never downloads): {exc}") from exc
+    return loading.load_tokenizer(source)  # a file it cannot read: one line naming it
 
 
 def _api_key(args) -> str | None:
@@ -174,12 +172,12 @@ def cmd_serve(args):
     from .server import create_app
 
     chroma = _chroma(args, embedded=False)
-    options = {}
+    options = {"max_request_bytes": args.max_request_bytes, "max_passages": args.max_passages}
     if chroma is not None:  # replicas given the same server share one passage index
         from .retrieval import PassageIndex
 
         index = PassageIndex(chroma)
-        options = {"passage_index": index, "embedder": index.embedder}
+        options.update(passage_index=index, embedder=index.embedder)
     engine = _engine(args, max_batch=args.max_batch, max_queue=args.max_queue)
     app = create_app(engine, api_key=_api_key(args), default_mode=args.mode, **options)
     print(f"kvrag: OpenAI-compatible API on http://{args.host}:{args.port}/v1"
@@ -464,9 +462,13 @@ _MODEL_OPTIONS = {
                                          "http://HOST:PORT; processes given the same one share it (default: "
                                          "$KVRAG_CHROMA, else an embedded Chroma in the cache directory; `serve` "
                                          "keeps a passage index only with one of the two)"),
-    "--remote": dict(metavar="URL", help="Redis server (redis://HOST:PORT/DB) that keeps KV and the passage registry "
-                                         "for every process given it, below the local tiers (default: $KVRAG_REMOTE, "
-                                         "else none)"),
+    "--remote": dict(metavar="URL", help="Redis server (redis://[USER:PASSWORD@]HOST:PORT/DB, rediss:// for TLS) "
+                                         "that keeps KV and the passage registry for every process given it, below "
+                                         "the local tiers; its values carry a MAC keyed by $KVRAG_SECRET_FILE or "
+                                         "$KVRAG_SECRET (default: $KVRAG_REMOTE, else none)"),
+    "--disk-budget": dict(metavar="SIZE", help="most bytes of KV files kept in the cache directory, e.g. 20G; the "
+                                               "least recently used go first (default: $KVRAG_DISK_BUDGET, else what "
+                                               "keeps a tenth of the disk free)"),
     "--device": dict(default="auto", help="'auto' (the first CUDA device torch sees, else the CPU), 'cpu', 'cuda' "
                                           "or 'cuda:N'"),
     "--dtype": dict(default="auto", choices=("auto", "float32", "float16", "bfloat16"),
@@ -534,6 +536,10 @@ def build_parser() -> argparse.ArgumentParser:
                                                                   "(a request's kvrag.mode chooses its own)")
     p.add_argument("--max-batch", type=int, default=16, help="requests whose decode steps run together")
     p.add_argument("--max-queue", type=int, default=256, help="requests that may wait; more are refused with 429")
+    p.add_argument("--max-request-bytes", type=int, help="largest request body taken, 400 beyond, checked as it "
+                                                         "arrives (default: 64 bytes a token of the model's context "
+                                                         "window, at least 1 MiB)")
+    p.add_argument("--max-passages", type=int, default=256, help="most passages one POST /v1/passages may carry")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
                    help="uvicorn's log level")
     p.set_defaults(func=cmd_serve)
@@ -674,9 +680,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _warning_line(message, category, filename, lineno, line=None):
+    """kvrag's own warnings ("kvrag: ...") as the one line they are written as; others as Python shows them."""
+    text = str(message)
+    return f"{text}\n" if text.startswith("kvrag: ") else _python_warning(message, category, filename, lineno, line)
+
+
+_python_warning = warnings.formatwarning
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     from transformers.utils import logging as hf_logging
+
+    warnings.formatwarning = _warning_line
 
     hf_logging.disable_progress_bar()  # weight-loading bars on every start are noise on a terminal
     try:

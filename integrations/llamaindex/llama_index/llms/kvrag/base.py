@@ -14,6 +14,7 @@ Both become one rendered chat-template string plus the passages' character spans
 prompt that renders to the same text gets the same blocks and the same answer either way.
 """
 
+import asyncio
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import asdict
 from pathlib import Path
@@ -174,7 +175,7 @@ class KVRagLLM(CustomLLM):
         return result.text, *self._finish(result, rendered, options)
 
     async def _agenerate(self, rendered: tuple[str, Any], options: dict[str, Any]) -> tuple[str, dict, dict]:
-        stream = self._engine.stream_text(*rendered, **options)
+        stream = await asyncio.to_thread(self._engine.stream_text, *rendered, **options)  # tokenized off the loop
         async for _ in stream:
             pass
         return stream.result.text, *self._finish(stream.result, rendered, options)
@@ -189,7 +190,7 @@ class KVRagLLM(CustomLLM):
         yield text, "", *self._finish(stream.result, rendered, options)
 
     async def _astream(self, rendered: tuple[str, Any], options: dict[str, Any]) -> AsyncIterator[tuple[str, str, dict, dict | None]]:
-        stream = self._engine.stream_text(*rendered, **options)
+        stream = await asyncio.to_thread(self._engine.stream_text, *rendered, **options)  # tokenized off the loop
         text = ""
         async for delta in stream:
             text += delta
