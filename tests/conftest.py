@@ -1,8 +1,11 @@
 import pytest
 import torch
-from tiny import tiny_configs, tiny_model, tiny_tokenizer
+from tiny import VARIANTS, tiny_configs, tiny_model, tiny_tokenizer
 
-ARCHS = ["llama", "mistral", "qwen2", "qwen3", "llama3-scaled", "qwen2-yarn", "llama-head64"]
+from kvrag.families import FAMILIES
+
+ARCHS = [*FAMILIES, *VARIANTS]
+"""Every model family kvrag supports, then the variants of tests/tiny.py."""
 
 
 @pytest.fixture(scope="session")
@@ -76,6 +79,6 @@ def saved_model_and_adapter(tok, tmp_path):
 @pytest.fixture(scope="module")
 def embedder():
     """The packaged all-MiniLM-L6-v2."""
-    from kvrag.app.retrieval import Embedder
+    from kvrag.retrieval import Embedder
 
     return Embedder()

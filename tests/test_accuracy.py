@@ -4,15 +4,15 @@ command's argument checks: test_cli.py.)"""
 
 import json
 import statistics
-from dataclasses import replace
+from dataclasses import asdict, replace
 
 import pytest
 
 from kvrag import KVRagError
 from kvrag.app.cli import main
-from kvrag.eval.accuracy import (METHODS, RUNNERS, Record, against_full, evaluate, flops_generation, format_against_full,
-                                 format_table, paired_interval, plot, points, pooled_against_full,
-                                 summarize)
+from kvrag.eval.accuracy import (METHODS, RUNNERS, Record, adapter_effect, against_full, evaluate, flops_generation,
+                                 format_against_full, format_table, paired_interval, plot, points, pooled_against_full,
+                                 read_results, summarize, weights_table)
 from kvrag.eval.ttft import flops_to_first_token, layer_flops
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -172,12 +172,13 @@ def test_flops_of_a_generation_add_one_decode_step_per_fed_back_token(engine):
 @pytest.mark.e2e
 def test_bench_accuracy_smoke_on_the_default_model(kvrag_home, tmp_path, capsys):
     results, png = tmp_path / "acc.jsonl", tmp_path / "acc.png"
-    argv = ["bench", "accuracy", "--limit", "4", "--passages", "5", "--max-new-tokens", "6",
+    argv = ["bench", "accuracy", "--limit", "4", "--passages", "5", "--max-new-tokens", "6", "--weights", "adapter",
             "--results", str(results), "--plot", str(png)]
     assert main(argv) == 0
-    out = capsys.readouterr().out
+    out, same_weights = capsys.readouterr().out.split("The cost of block attention on the same weights")
     rows = [line for line in out.splitlines() if line.startswith("| ") and not line.startswith("| method")]
     assert [row.split(" | ")[0][2:] for row in rows] == list(METHODS)
+    assert same_weights.count("| shipped adapter | 4 generated worlds |") == 1
     for row in rows:
         cells = row.strip("| ").split(" | ")
         assert cells[1] == "4"
@@ -197,10 +198,11 @@ def test_bench_accuracy_smoke_on_the_default_model(kvrag_home, tmp_path, capsys)
 def test_bench_accuracy_in_the_layouts_of_real_apps_on_the_default_model(kvrag_home, tmp_path, capsys):
     results = tmp_path / "layouts.jsonl"
     argv = ["bench", "accuracy", "--limit", "2", "--passages", "5", "--max-new-tokens", "6", "--prose", "1",
-            "--prompts", "kvrag,langchain-rag-prompt,numbered", "--results", str(results), "--plot", ""]
+            "--prompts", "kvrag,langchain-rag-prompt,numbered", "--results", str(results), "--plot", "", "--weights", "adapter"]
     assert main(argv) == 0
-    out = capsys.readouterr().out
+    out, same_weights = capsys.readouterr().out.split("The cost of block attention on the same weights")
     rows = [line.strip("| ").split(" | ") for line in out.splitlines() if line.startswith("| ") and "| method |" not in line]
+    assert "| shipped adapter | 2 generated worlds, 3 layouts |" in same_weights
     assert [row[:3] for row in rows] == [[layout, method, "2"] for layout in ("kvrag", "langchain-rag-prompt", "numbered")
                                          for method in ("full", "block", "blend")]
     assert "[langchain-rag-prompt] block - full: " in out and "100% in prose" in out
@@ -214,7 +216,7 @@ def test_bench_accuracy_on_squad_questions_on_the_default_model(kvrag_home, tmp_
     results = tmp_path / "squad.jsonl"
     argv = ["bench", "accuracy", "--squad", "--split", "dev", "--limit", "2", "--passages", "3", "--max-new-tokens", "6",
             "--prompts", "kvrag,numbered", "--methods", "full,block", "--results", str(results), "--plot", "",
-            "--concurrency", "3"]
+            "--concurrency", "3", "--weights", "published"]
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "2 SQuAD v1.1 dev questions x 3 paragraphs (seed 0)" in out and "[pooled, 2 layouts] block - full: " in out
@@ -225,3 +227,52 @@ def test_bench_accuracy_on_squad_questions_on_the_default_model(kvrag_home, tmp_
     assert len(records) == 2 * 2 * 2 and all(r["id"].startswith("squad-dev-") and r["type"] == "single" for r in records)
     assert {r["concurrency"] for r in records} == {3}
     assert main(argv) == 0 and results.read_text().splitlines()[1:] == lines  # a rerun resumes: nothing asked again
+
+
+@pytest.mark.e2e
+def test_bench_accuracy_compares_modes_on_the_same_weights_on_the_default_model(kvrag_home, tmp_path, capsys):
+    """By default both weight sets answer, each in every mode: a row each, and the adapter's own effect apart."""
+    results = tmp_path / "heldout.jsonl"
+    argv = ["bench", "accuracy", "--heldout", "--limit", "2", "--passages", "3", "--max-new-tokens", "6",
+            "--methods", "full,block,blend", "--results", str(results), "--plot", ""]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "the published weights, in every mode; 2 questions on examples/heldout" in out
+    assert "the adapter, in every mode; 2 questions on examples/heldout" in out
+    paths = [tmp_path / "heldout-published.jsonl", tmp_path / "heldout-adapter.jsonl"]
+    settings = [read_results(p)[0] for p in paths]
+    assert [s["weights"] for s in settings] == ["published", "adapter"] and all("causal_model" not in s for s in settings)
+    assert settings[0]["model"] != settings[1]["model"]
+    assert weights_table(paths) in out and "| published weights | 2 examples/heldout |" in out
+    assert "the adapter's full mode − the published weights' full mode" in out and "across weights" in out
+
+
+def write_results(path, weights, corpus, answers, causal=None):
+    """A results file of one weight set: `answers` maps (layout, method, id) to right or wrong."""
+    settings = {"model": weights, "weights": weights, "dataset": {} if corpus == "generated" else {"corpus": corpus}}
+    if causal:
+        settings["causal_model"] = causal
+    lines = [json.dumps({"settings": settings})]
+    for (layout, method, qid), right in answers.items():
+        lines.append(json.dumps(asdict(Record(method, qid, "single", "q?", "a", right, 0.0, 0.1, 0.2, 1.0, 10, layout))))
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_the_same_weights_table_pairs_each_mode_with_full_per_question(tmp_path):
+    ids = [f"q{i}" for i in range(8)]
+    published = {("kvrag", "full", i): k < 4 for k, i in enumerate(ids)} | \
+        {("kvrag", "block", i): k < 2 for k, i in enumerate(ids)} | {("kvrag", "blend", i): k < 3 for k, i in enumerate(ids)}
+    adapter = {(layout, m, i): k < 6 for layout in ("kvrag", "numbered") for m in ("full", "block", "blend")
+               for k, i in enumerate(ids)}
+    paths = [write_results(tmp_path / "p.jsonl", "published", "squad", published),
+             write_results(tmp_path / "a.jsonl", "adapter", "squad", adapter)]
+    table = weights_table(paths).splitlines()
+    assert table[2] == "| published weights | 8 SQuAD | 50.0 | 25.0 | 37.5 | −25.0 ± 32.1 | −12.5 ± 24.5 |"
+    assert table[3] == "| shipped adapter | 8 SQuAD, 2 layouts | 75.0 | 75.0 | 75.0 | +0.0 ± 0.0 | +0.0 ± 0.0 |"
+    [effect] = adapter_effect(paths)
+    assert effect.startswith("SQuAD: the adapter's full mode − the published weights' full mode +25.0 ± ")
+    assert "(8 paired answers; across weights)" in effect
+    across = write_results(tmp_path / "x.jsonl", "adapter", "squad", adapter, causal="published")
+    with pytest.raises(KVRagError, match="not like for like"):
+        weights_table([across])

@@ -1,4 +1,4 @@
-"""Blend mode (CacheBlend): DESIGN.md invariant 3 on tiny random-weight models of every supported
+"""Blend mode (CacheBlend): invariant 3 of docs/design.md on tiny random-weight models of every supported
 family, the token selection against a brute-force reference, and blend's settings."""
 
 import copy

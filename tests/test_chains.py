@@ -4,8 +4,8 @@ map-rerank's replies (the answer and the 0-100 score, however loosely a model fo
 
 import pytest
 
-from kvrag.eval import chains
-from kvrag.eval.chains import ScoredAnswer, best_answer, parse_scored_answer, rerank
+from kvrag import chains
+from kvrag.chains import ScoredAnswer, best_answer, parse_scored_answer, rerank
 
 
 def test_map_reduce_and_map_rerank_call_once_per_passage(engine, examples):

@@ -3,17 +3,19 @@ before any work, and the kernels commands; index and ask into a Chroma server on
 ask and demo on the real model: test_e2e.py.)"""
 
 import argparse
+import json
 import os
 import subprocess
 import sys
 from dataclasses import asdict
+from pathlib import Path
 
 import pytest
 from servers import free_port
 
 from kvrag.app import cli
 from kvrag.app.cli import build_parser, main
-from kvrag.app.retrieval import chroma_collection
+from kvrag.retrieval import chroma_collection
 
 
 def _parsers(parser: argparse.ArgumentParser, name: str = "kvrag"):
@@ -50,7 +52,7 @@ def test_every_option_has_help_text_and_shows_its_default():
                    "passages retrieved for the question (default: 4)", "longest answer in tokens (default: 128)",
                    "--block-context {none,prefix}", "(default: none)"]),
         (["index"], ["longest passage in tokens (default: 200)", "--block-context {none,prefix}", "(default: none)"]),
-        ([], ["--block-context {none,prefix}", "(default: none)", "--adapter-scope {block,all}", "(default: block)"]),
+        ([], ["--block-context {none,prefix}", "(default: none)", "--adapter-scope {block,all}", "(default: all)"]),
         (["bench", "accuracy"], ["(default: full,map_reduce,map_rerank,block,blend,composite; in other prompt layouts "
                                   "full,block,blend)", "needs matplotlib", "or 'all': kvrag, langchain-rag-prompt"]),
         (["finetune"], ["optimizer steps (default: 170)", "peak learning rate (default: 0.0005)"]),
@@ -133,6 +135,89 @@ def test_bench_accuracy_without_matplotlib_stops_before_any_work(capsys, monkeyp
     monkeypatch.setattr(data, "generate", lambda *a, **k: (_ for _ in ()).throw(ValueError("generating")))
     assert main(["bench", "accuracy", "--plot", ""]) == 2  # no plot wanted: the run goes on to its questions
     assert "generating" in capsys.readouterr().err
+
+
+def _finetune_args(argv, monkeypatch) -> argparse.Namespace:
+    """The options `kvrag finetune` would train with, read without training (or loading) anything."""
+    seen = []
+    monkeypatch.setattr(cli, "cmd_finetune", seen.append)
+    assert main(["finetune", *argv]) == 0
+    return seen[0]
+
+
+def test_finetune_config_file_sets_options_that_the_command_line_overrides(tmp_path, monkeypatch, capsys):
+    config = tmp_path / "run.json"
+    config.write_text(json.dumps({"out": "runs/a", "steps": 7, "lr": 0.001, "init-adapter": "runs/b/adapter",
+                                  "full_attention_share": 0, "blend-select": "deviation", "seed": 5, "note": 1}))
+    assert main(["finetune", "--config", str(config)]) == 2
+    assert "'note' is not an option of `kvrag finetune`" in capsys.readouterr().err
+    config.write_text(config.read_text().replace(', "note": 1', ""))
+    args = _finetune_args(["--config", str(config)], monkeypatch)
+    assert (args.out, args.steps, args.lr, args.init_adapter, args.blend_select) == ("runs/a", 7, 0.001, "runs/b/adapter",
+                                                                                     "deviation")
+    assert args.full_attention_share == 0.0 and isinstance(args.full_attention_share, float)
+    assert (args.accumulate, args.lora_r) == (4, 8)  # what the file leaves out keeps its default
+    args = _finetune_args(["elsewhere", "--config", str(config), "--steps", "9", "--seed", "0"], monkeypatch)
+    assert (args.out, args.steps, args.seed, args.lr) == ("elsewhere", 9, 0, 0.001)  # given, even at the default
+
+
+@pytest.mark.parametrize("options, message", [({"steps": "many"}, "steps is a whole number, got 'many'"),
+                                              ({"steps": 1.5}, "steps is a whole number"),
+                                              ({"full": 1}, "full is true or false"),
+                                              ({"distill-from": "teacher"}, "distill-from is one of adapter, published"),
+                                              ({"model": "m"}, "'model' is not an option")])
+def test_finetune_config_options_are_checked_as_the_command_line_checks_them(options, message, tmp_path, capsys):
+    config = tmp_path / "run.json"
+    config.write_text(json.dumps(options))
+    assert main(["finetune", "out", "--config", str(config)]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_finetune_config_runs_are_chosen_by_name(tmp_path, monkeypatch, capsys):
+    config = tmp_path / "recipe.json"
+    config.write_text(json.dumps({"about": "two runs", "runs": [
+        {"name": "first", "out": "runs/first", "steps": 3},
+        {"name": "second", "out": "runs/second", "before": ["made elsewhere"], "init-adapter": "runs/first/adapter"}]}))
+    args = _finetune_args(["--config", str(config), "--run", "second"], monkeypatch)
+    assert (args.out, args.init_adapter, args.steps) == ("runs/second", "runs/first/adapter", 170)
+    for argv, message in [([], "holds 2 runs: name one with --run (first, second)"),
+                          (["--run", "third"], "has no run 'third'; its runs: first, second")]:
+        assert main(["finetune", "--config", str(config), *argv]) == 2
+        assert message in capsys.readouterr().err
+    config.write_text(json.dumps({"runs": [{"name": "only", "steps": 3}]}))
+    assert _finetune_args(["out", "--config", str(config)], monkeypatch).steps == 3
+    monkeypatch.undo()  # the command itself: it stops before loading anything
+    assert main(["finetune", "--config", str(config)]) == 2  # no OUT anywhere
+    assert "finetune needs OUT" in capsys.readouterr().err
+
+
+def test_the_finetune_recipe_of_the_shipped_adapter_ends_in_the_run_its_training_record_describes(monkeypatch):
+    from kvrag.loading import DEFAULT_ADAPTER
+
+    recipe = DEFAULT_ADAPTER / "recipe.json"
+    runs = json.loads(recipe.read_text())["runs"]
+    made = []
+    for run in runs:  # each run is a valid option set; each continues from what an earlier run or its 'before' made
+        args = _finetune_args(["--config", str(recipe), "--run", run["name"]], monkeypatch)
+        assert args.out == run["out"] and not os.path.isabs(args.out)
+        if args.init_adapter:
+            assert args.init_adapter in made or any(step.startswith(args.init_adapter) for step in run.get("before", []))
+        if args.squad_answers:
+            assert any(step.endswith(f"--results {args.squad_answers}") for step in run["before"])
+        made.append(f"{args.out}/adapter")
+    record = json.loads((DEFAULT_ADAPTER / "training.json").read_text())
+    assert record["recipe"].startswith(f"recipe.json, run {runs[-1]['name']!r}")
+    assert asdict(cli._train_config(args)) == record["config"]
+    assert args.adapter_scale == record["adapter_scale"]
+    shipped = json.loads((DEFAULT_ADAPTER / "adapter_config.json").read_text())
+    assert shipped["lora_alpha"] == args.adapter_scale * args.lora_r
+    about = record["about"]
+    assert about["dataset"] == {"split": "train", "n": args.questions - round(args.squad_share * args.questions),
+                                "passages": args.passages, "noise": args.noise, "seed": args.seed, "prose": args.prose}
+    assert (about["unanswerable_share"], about["squad_passages"], about["blend_select"]) == (
+        args.unanswerable_share, args.squad_passages, args.blend_select)
+    assert about["layouts"] == cli._layouts(args.prompts) and about["squad_answers"] == Path(args.squad_answers).name
+    assert "init_adapter_training" not in about  # its own run only: the runs before it are the recipe's
 
 
 def test_kernels_build_and_status_load_no_model(capsys, monkeypatch, tmp_path):

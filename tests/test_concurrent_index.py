@@ -13,7 +13,7 @@ from pathlib import Path
 from transformers import AutoTokenizer
 
 from kvrag.app import cli
-from kvrag.app.retrieval import DEFAULT_COLLECTION, PassageIndex, chroma_collection
+from kvrag.retrieval import DEFAULT_COLLECTION, PassageIndex, chroma_collection
 from kvrag.match import registered_passages
 from kvrag.prompt import PromptLayout
 

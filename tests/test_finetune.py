@@ -255,8 +255,9 @@ def test_a_run_can_continue_from_a_saved_adapter(make_engine, tmp_path):
     for name, value in first.items():
         torch.testing.assert_close(kept[name], value, rtol=0, atol=0)
     assert any(not torch.equal(fresh[name], value) for name, value in first.items())
-    record = json.loads((tmp_path / "kept" / "training.json").read_text())
-    assert record["about"]["init_adapter_training"] == json.loads((tmp_path / "first" / "training.json").read_text())
+    record = json.loads((tmp_path / "kept" / "training.json").read_text())  # its own run: the start named, not nested
+    assert record["config"]["init_adapter"] == str(tmp_path / "first" / "adapter") and record["step"] == 2
+    assert "init_adapter_training" not in record["about"]
     with pytest.raises(ValueError, match="rank-8 adapter.*pass --lora-r 8"):
         run("rank", lora_r=4, lora_alpha=8, init_adapter=str(tmp_path / "first" / "adapter"))
 
@@ -281,8 +282,8 @@ def test_an_adapter_changes_the_fingerprint_and_the_answers(make_engine, tok, tm
 
 
 def test_the_adapter_serves_the_block_modes_and_the_published_weights_the_causal_ones(tok, tmp_path):
-    """adapter_scope="block" (the default): full and prefix run on the published weights, exactly, and
-    keep prefix KV with them; the weights the adapter leaves alone are one copy. "all": every mode."""
+    """adapter_scope="block": full and prefix run on the published weights, exactly, and keep prefix KV
+    with them; the weights the adapter leaves alone are one copy. "all" (the default): every mode."""
     base = tmp_path / "base"
     tiny_model(tiny_configs(len(tok))["llama"]).save_pretrained(base)
     tok.save_pretrained(base)
@@ -291,8 +292,8 @@ def test_the_adapter_serves_the_block_modes_and_the_published_weights_the_causal
     adapter = train(plain, [encode(plain, QUESTION, PASSAGES, ANSWER)], tmp_path / "tuned",
                     TrainConfig(steps=2, accumulate=1, learning_rate=5e-2, lora_dropout=0.0), progress=False)
     plain = KVEngine.from_pretrained(str(base), **kw)  # `train` left its LoRA layers in the first one
-    tuned = KVEngine.from_pretrained(str(base), **kw, adapter=adapter)
-    everywhere = KVEngine.from_pretrained(str(base), **kw, adapter=adapter, adapter_scope="all")
+    tuned = KVEngine.from_pretrained(str(base), **kw, adapter=adapter, adapter_scope="block")
+    everywhere = KVEngine.from_pretrained(str(base), **kw, adapter=adapter)
     prompt, _ = plain.build_prompt(QUESTION, PASSAGES)
 
     assert tuned.causal_fingerprint == plain.fingerprint != tuned.fingerprint == everywhere.fingerprint
@@ -361,7 +362,7 @@ def test_short_contexts_keep_the_gold_passages_in_order_and_at_most_three_distra
 @pytest.mark.e2e
 def test_the_default_model_comes_with_the_shipped_block_adapter(default_engine):
     """adapter="auto" (the default) merges the adapter shipped in the package into the default model's
-    block-mode weights; None loads the published weights: another fingerprint, so that KV never mix."""
+    weights, in every mode; None loads the published weights: another fingerprint, so that KV never mix."""
     from kvrag.loading import DEFAULT_ADAPTER
 
     shipped = {p.name: p.stat().st_size for p in DEFAULT_ADAPTER.iterdir()}
@@ -369,7 +370,8 @@ def test_the_default_model_comes_with_the_shipped_block_adapter(default_engine):
     assert sum(shipped.values()) < 10_000_000  # a few MB
     published = KVEngine.from_pretrained(adapter=None).fingerprint
     assert published != default_engine.fingerprint
-    assert published == default_engine.causal_fingerprint  # full and prefix mode run on the published weights
+    assert default_engine.causal_fingerprint == default_engine.fingerprint  # full and prefix on the same weights
+    assert default_engine.causal_model is default_engine.model  # one copy of the weights
     assert KVEngine.from_pretrained(adapter=DEFAULT_ADAPTER).fingerprint == default_engine.fingerprint
 
 

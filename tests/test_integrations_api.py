@@ -8,7 +8,11 @@ import pytest
 
 import kvrag
 
-PUBLIC_MODULES = {"kvrag.app.retrieval", "kvrag.app.split", "kvrag.eval", "kvrag.eval.chains", "kvrag.eval.metrics"}
+PUBLIC_MODULES = {"kvrag.chains", "kvrag.retrieval"}
+HARNESS = ("kvrag.eval", "kvrag.train", "kvrag.app")
+"""The research harness and the `kvrag` command: the integrations' product code never imports them (their
+tests may, to compare against the harness)."""
+INTEGRATIONS = Path(__file__).resolve().parent.parent / "integrations"
 
 
 @pytest.mark.parametrize("package", ["langchain_kvrag", "llama_index.llms.kvrag"])
@@ -28,3 +32,21 @@ def test_only_kvrags_public_names_are_imported_and_no_private_attribute_is_read(
             elif isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
                 assert "engine" not in ast.unparse(node.value), (path, node.lineno, ast.unparse(node))
     assert "kvrag" in imported  # the files were read
+
+
+def test_no_integration_imports_the_harness_or_the_app():
+    files = [p for p in sorted(INTEGRATIONS.rglob("*.py"))
+             if "tests" not in p.relative_to(INTEGRATIONS).parts and not any(d.endswith(".egg-info") for d in p.parts)]
+    for path in files:
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                modules = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                modules = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]  # `from kvrag import eval`
+            else:
+                continue
+            for module in modules:
+                assert not module.startswith(tuple(f"{h}." for h in HARNESS)) and module not in HARNESS, (
+                    f"{path.relative_to(INTEGRATIONS)}:{node.lineno} imports {module}")
+    packages = {p.relative_to(INTEGRATIONS).parts[0] for p in files}
+    assert packages == {"langchain", "llamaindex"}, packages  # both integrations' code was read

@@ -1,4 +1,4 @@
-"""DESIGN.md invariants 1, 2, 4 and 5 on tiny random-weight models of every supported family."""
+"""The invariants 1, 2, 4 and 5 of docs/design.md on tiny random-weight models of every supported family."""
 
 import pytest
 import torch

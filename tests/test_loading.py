@@ -77,10 +77,12 @@ def test_second_load_does_not_hash_the_weights_again(saved_model_and_adapter, tm
     home = tmp_path / "home"
     first = KVEngine.from_pretrained(str(model_dir), home=home)
     tuned = KVEngine.from_pretrained(str(model_dir), home=home, adapter=adapter_dir)  # the merged weights: once more
-    assert len(hashes) == 2 and tuned.causal_fingerprint == first.fingerprint != tuned.fingerprint
+    assert len(hashes) == 2 and tuned.causal_fingerprint == tuned.fingerprint != first.fingerprint
     again = KVEngine.from_pretrained(str(model_dir), home=home)
     tuned_again = KVEngine.from_pretrained(str(model_dir), home=home, adapter=adapter_dir)
+    split = KVEngine.from_pretrained(str(model_dir), home=home, adapter=adapter_dir, adapter_scope="block")
     assert len(hashes) == 2 and hashes.tokenizer == 2
+    assert (split.fingerprint, split.causal_fingerprint) == (tuned.fingerprint, first.fingerprint)
     assert again.fingerprint == first.fingerprint and tuned_again.fingerprint == tuned.fingerprint
     assert again.fingerprint == loading.fingerprint(again.model, again.tokenizer)  # what hashing gives
     assert tuned.fingerprint == loading.fingerprint(tuned.model, tuned.tokenizer)

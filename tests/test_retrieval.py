@@ -15,7 +15,7 @@ import pytest
 from servers import chroma_server, free_port
 
 from kvrag import ChromaUnavailableError, KVRagError
-from kvrag.app.retrieval import (
+from kvrag.retrieval import (
     COSINE,
     PassageIndex,
     chroma_client,
@@ -170,7 +170,7 @@ def test_no_chroma_server_at_the_url_is_a_clear_error_at_once():
 
 
 def test_a_server_that_never_answers_is_given_up_after_the_connect_timeout(monkeypatch):
-    from kvrag.app import retrieval
+    from kvrag import retrieval
 
     monkeypatch.setattr(retrieval, "CONNECT_TIMEOUT", 0.5)  # 5 s in use
     with socket.socket() as silent:  # takes connections (the kernel's backlog) and never answers

@@ -429,7 +429,7 @@ def test_kvrag_index_server_sends_the_passages_it_splits(engine, tok, tmp_path, 
 
 def test_replicas_share_one_passage_index_in_a_chroma_server(engine, chroma, embedder):
     """Two apps (two replicas of `kvrag serve --chroma URL`): what one indexes, the other retrieves."""
-    from kvrag.app.retrieval import PassageIndex
+    from kvrag.retrieval import PassageIndex
 
     name = f"replicas-{uuid.uuid4().hex[:8]}"
     other = "The river Olm freezes every winter, and the ferry stops until spring."
@@ -451,7 +451,7 @@ def test_search_needs_a_passage_index(server):
 
 
 def test_a_chroma_server_that_stops_is_a_503_naming_it(engine, tmp_path):
-    from kvrag.app.retrieval import PassageIndex
+    from kvrag.retrieval import PassageIndex
 
     embedder = FakeEmbedder()
     with chroma_server(tmp_path) as url:
@@ -596,7 +596,7 @@ def test_sixteen_concurrent_clients_get_the_answers_each_gets_alone(served, corp
 def test_openai_embeddings_are_the_packaged_minilm(served):
     import openai
 
-    from kvrag.app.retrieval import Embedder
+    from kvrag.retrieval import Embedder
 
     url, _ = served
     client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY)

@@ -7,7 +7,7 @@ import pytest
 import torch
 from tiny import tiny_configs, tiny_model, tiny_tokenizer
 
-from kvrag import loading
+from kvrag import families, loading
 from kvrag.app.cli import build_parser, main
 from kvrag.errors import KVRagError
 from kvrag.eval import shapes
@@ -38,8 +38,8 @@ def test_shapes_have_the_published_dimensions_and_parameter_counts(name):
             config.num_key_value_heads, config.vocab_size, config.max_position_embeddings,
             config.rope_parameters["rope_theta"])
     assert dims == PUBLISHED[name]
-    assert loading.context_window(config) == PUBLISHED[name][6]  # no sliding window shortens it
-    loading.check_supported(config)  # kvrag can re-encode its RoPE
+    assert families.context_window(config) == PUBLISHED[name][6]  # no sliding window shortens it
+    families.check_supported(config)  # kvrag can re-encode its RoPE
     assert abs(loading.param_count(config) / PARAMS[name] - 1) < 0.01
 
 

@@ -2,14 +2,9 @@
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import (
-    AutoModelForCausalLM,
-    LlamaConfig,
-    MistralConfig,
-    PreTrainedTokenizerFast,
-    Qwen2Config,
-    Qwen3Config,
-)
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
+
+from kvrag.families import FAMILIES
 
 CHATML = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -57,16 +52,21 @@ def _common(vocab: int) -> dict:
     )
 
 
+VARIANTS = ["llama3-scaled", "qwen2-yarn", "llama-head64"]
+"""Configs beside one per family: scaled RoPE, and the head shape where kvrag.kernels apply."""
+
+
 def tiny_configs(vocab: int = 400) -> dict:
+    """A tiny config of every model family kvrag supports (families.py), then the `VARIANTS`."""
     c = _common(vocab)
+    config = AutoConfig.for_model
     return {
-        "llama": LlamaConfig(**c),
-        "mistral": MistralConfig(**c, sliding_window=None),
-        "qwen2": Qwen2Config(**c),
-        "qwen3": Qwen3Config(**c, head_dim=16),
+        # every layer attends in full; head_dim as the hidden size gives it (Qwen3's default is another)
+        **{family: config(family, **c, head_dim=16, sliding_window=None) for family in FAMILIES},
         # SmolLM2's head shape (head_dim 64, three query heads per kv head): where kvrag.kernels apply
-        "llama-head64": LlamaConfig(**{**c, "hidden_size": 192, "num_attention_heads": 3, "num_key_value_heads": 1}),
-        "llama3-scaled": LlamaConfig(
+        "llama-head64": config("llama", **{**c, "hidden_size": 192, "num_attention_heads": 3, "num_key_value_heads": 1}),
+        "llama3-scaled": config(
+            "llama",
             **c,
             rope_parameters={
                 "rope_type": "llama3",
@@ -77,7 +77,8 @@ def tiny_configs(vocab: int = 400) -> dict:
                 "original_max_position_embeddings": 64,
             },
         ),
-        "qwen2-yarn": Qwen2Config(
+        "qwen2-yarn": config(
+            "qwen2",
             **{**c, "max_position_embeddings": 256},
             rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64},
         ),

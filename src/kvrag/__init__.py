@@ -15,10 +15,12 @@ from .errors import (
     UnknownBlockError,
     UnsupportedModelError,
 )
-from .modes import MODES, Mode
+from .modes import BLOCK_MODES, CAUSAL_MODES, MODES, Mode
 from .prompt import Passage, Prompt, PromptFormat, check_text
 
 __all__ = [
+    "BLOCK_MODES",
+    "CAUSAL_MODES",
     "MODES",
     "BlendConfig",
     "ChromaUnavailableError",

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import kernels
+from . import families, kernels
 from .attention import forward
 from .rope import delta_cos_sin, shift_keys
 from .store import BadBlock, KVBlock, KVStore
@@ -60,7 +60,7 @@ class Blocks:
     def __init__(self, model, store: KVStore, pool: WorkspacePool, storage_dtype: torch.dtype, block_context: str):
         self.model, self.store, self.pool = model, store, pool
         self.storage_dtype, self.block_context = storage_dtype, block_context
-        self.inv_freq = model.get_decoder().rotary_emb.inv_freq
+        self.inv_freq = families.family(model.config).inv_freq(model)
         self._prefixes_seen: OrderedDict[str, None] = OrderedDict()  # prefixes computed once, kept in memory only
         self._seen_lock = threading.Lock()
 

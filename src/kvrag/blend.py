@@ -23,6 +23,7 @@ from typing import Literal
 import torch
 from transformers.models.llama.modeling_llama import rotate_half
 
+from . import families
 from .attention import mask as attention_mask
 
 
@@ -83,40 +84,33 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos[:, None] + rotate_half(x) * sin[:, None]
 
 
-def fresh_kv(layer, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The keys (rotated to their positions) and values [1, kv_heads, n, head_dim] that `layer`
-    computes from `hidden`, as its attention does before writing them to the cache."""
-    attn = layer.self_attn
-    x = layer.input_layernorm(hidden)
-    shape = (*x.shape[:-1], -1, attn.head_dim)
-    keys = attn.k_proj(x).view(shape)
-    if hasattr(attn, "k_norm"):  # Qwen3 normalizes keys per head before RoPE
-        keys = attn.k_norm(keys)
-    keys = keys.transpose(1, 2)
-    values = attn.v_proj(x).view(shape).transpose(1, 2)
-    return _rotate(keys, cos, sin), values
+def fresh_kv(family, layer, hidden: torch.Tensor, cos: torch.Tensor,
+             sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The keys (rotated to their positions) and values [1, kv_heads, n, head_dim] that `layer` (of a
+    model of `family`, see families.py) computes from `hidden`, as its attention does before writing
+    them to the cache."""
+    keys, values = family.keys_values(layer.self_attn, layer.input_layernorm(hidden))
+    return _rotate(keys.transpose(1, 2), cos, sin), values.transpose(1, 2)
 
 
-def question_attention(layer, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+def question_attention(family, layer, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       keys: torch.Tensor) -> torch.Tensor:
     """How much attention the tokens `hidden` (the question) pay each of `keys` [1, kv_heads, n, head_dim]
     on `layer`, summed over them and the heads; softmax over `keys` alone."""
     attn = layer.self_attn
-    x = layer.input_layernorm(hidden)
-    queries = attn.q_proj(x).view(*x.shape[:-1], -1, attn.head_dim)
-    if hasattr(attn, "q_norm"):
-        queries = attn.q_norm(queries)
-    queries = _rotate(queries.transpose(1, 2), cos, sin)
+    queries = _rotate(family.queries(attn, layer.input_layernorm(hidden)).transpose(1, 2), cos, sin)
     keys = keys.to(queries.dtype).repeat_interleave(queries.shape[1] // keys.shape[1], dim=1)
     weights = torch.softmax(queries @ keys.transpose(-1, -2) * getattr(attn, "scaling", attn.head_dim**-0.5), dim=-1)
     return weights.sum(dim=(0, 1, 2))
 
 
 @torch.inference_mode()
-def prefill(model, workspace, ids: list[int], first: int, context: int, block_starts: list[int], config: BlendConfig, keep: int = 1):
+def prefill(model, workspace, ids: list[int], first: int, context: int, block_starts: list[int], config: BlendConfig,
+            keep: int = 1):
     """Blend the question `ids[context:]` into the cache: `workspace` holds the block-mode KV of
     `ids[:context]` (the prefix, then blocks beginning at `block_starts`, passages from `first`).
     Returns the logits of the last `keep` tokens and the passage positions recomputed throughout."""
-    decoder = model.get_decoder()
+    family, decoder = families.family(model.config), model.get_decoder()
     device, n = workspace.keys.device, len(ids)
     candidates = context - first
     sinks = sink_positions(block_starts, config.sink_tokens, context, device)
@@ -128,14 +122,15 @@ def prefill(model, workspace, ids: list[int], first: int, context: int, block_st
     for index, layer in enumerate(decoder.layers):
         cos, sin = decoder.rotary_emb(hidden, active[None])
         if index in config.check_layers:
-            stay = _survivors(layer, index, hidden, cos, sin, active, workspace, first, context, sinks, candidates, config)
+            stay = _survivors(family, layer, index, hidden, cos, sin, active, workspace, first, context, sinks,
+                              candidates, config)
             active, hidden, cos, sin = active[stay], hidden[:, stay], cos[:, stay], sin[:, stay]
             mask = attention_mask(active, n, hidden.dtype)
         if index == last:  # the passage tokens' output is never read: write their KV and drop them
             passage = int((active < context).sum())
             recomputed = active[:passage]  # the prefix left at the first check layer
             if passage:
-                keys, values = fresh_kv(layer, hidden[:, :passage], cos[:, :passage], sin[:, :passage])
+                keys, values = fresh_kv(family, layer, hidden[:, :passage], cos[:, :passage], sin[:, :passage])
                 workspace.keys[index][:, :, recomputed] = keys
                 workspace.values[index][:, :, recomputed] = values
             active, hidden, cos, sin = active[passage:], hidden[:, passage:], cos[:, passage:], sin[:, passage:]
@@ -154,7 +149,8 @@ def prefill(model, workspace, ids: list[int], first: int, context: int, block_st
     return logits[0], recomputed
 
 
-def _survivors(layer, index, hidden, cos, sin, active, workspace, first, context, sinks, candidates, config) -> torch.Tensor:
+def _survivors(family, layer, index, hidden, cos, sin, active, workspace, first, context, sinks, candidates,
+               config) -> torch.Tensor:
     """Which active tokens go on past check layer `index`: the question, the block sinks, and the
     passage tokens whose fresh K or V deviates most from the cached ones (or that the question
     attends to most)."""
@@ -163,11 +159,11 @@ def _survivors(layer, index, hidden, cos, sin, active, workspace, first, context
         return question | torch.isin(active, sinks)
     kept = config.kept(config.check_layers.index(index), candidates)
     if config.select == "attention":
-        mass = question_attention(layer, hidden[:, question], cos[:, question], sin[:, question],
+        mass = question_attention(family, layer, hidden[:, question], cos[:, question], sin[:, question],
                                   workspace.keys[index][:, :, :context])
         chosen = active[passage][mass[active[passage]].topk(min(kept, int(passage.sum()))).indices]
     else:
-        fresh = config.compared(*fresh_kv(layer, hidden[:, passage], cos[:, passage], sin[:, passage]))
+        fresh = config.compared(*fresh_kv(family, layer, hidden[:, passage], cos[:, passage], sin[:, passage]))
         cached = config.compared(workspace.keys, workspace.values)[index][:, :, active[passage]]
         chosen = active[passage][most_deviating(fresh, cached, kept)]
     return question | torch.isin(active, chosen) | torch.isin(active, sinks)

@@ -1,15 +1,15 @@
 """The token loop after the prefill: sampling, stop strings, incremental text, timing, the result; and
-the stream through which a request's text reaches its caller."""
+the stream through which a request's text reaches its caller. A request reaches its engine only through
+a `Prefiller`: the scheduler's worker runs it, and it can call nothing else there."""
 
 import asyncio
 import collections
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
-
 
 
 @dataclass
@@ -194,18 +194,34 @@ class GenerationStream:
         return self.result
 
 
+@dataclass(frozen=True)
+class Prefiller:
+    """What a request needs of its engine: the prompt's KV put in a workspace (`prefill`, as
+    `KVEngine.prefill`), the weights its mode runs on (`model_for`), what it computed stored for later
+    requests (`store_pending`), its workspace handed back (`release`); and, as they were when it came,
+    the tokenizer, the ids that end an answer and the context window. The engine makes one per request."""
+
+    prefill: Callable  # (prompt, mode, *, keys, extra_capacity, blend, question) -> modes.Prefill
+    model_for: Callable  # (mode) -> the model that mode runs on
+    store_pending: Callable  # (prefill state, mode) -> None
+    release: Callable  # (prefill state) -> None
+    tokenizer: object
+    eos_ids: set[int]
+    context_window: int
+
+
 class Generation:
     """One request's token loop, advanced a token at a time by the scheduler's worker: its prefill, then
     sampling, stop strings, incremental text and timing as each step's logits arrive."""
 
-    def __init__(self, engine, prompt, keys, mode: str, max_new_tokens: int, sampler: Sampler, stops: list[str],
-                 max_time=None, blend=None, start: float | None = None):
+    def __init__(self, prefiller: Prefiller, prompt, keys, mode: str, max_new_tokens: int, sampler: Sampler,
+                 stops: list[str], max_time=None, blend=None, start: float | None = None):
         """`prompt`, `keys`: built by the caller, on its own thread: tokenizing a long prompt on the worker
         would hold up every other request's next token. `start`: when the call came (default: now), so that
-        TTFT and `max_time` count the prompt's building, as they count the KV loading of `engine.prefill`.
+        TTFT and `max_time` count the prompt's building, as they count the KV loading of the prefill.
         The answer is at most what the context window leaves after the prompt, whatever `max_new_tokens` says."""
-        self.engine, self.prompt, self.keys, self.mode = engine, prompt, keys, mode
-        self.budget = min(max_new_tokens, engine.context_window - len(prompt))
+        self.prefiller, self.prompt, self.keys, self.mode = prefiller, prompt, keys, mode
+        self.budget = min(max_new_tokens, prefiller.context_window - len(prompt))
         self.sampler, self.stops, self.max_time, self.blend = sampler, stops, max_time, blend
         self.stream = GenerationStream()
         self.start = time.perf_counter() if start is None else start
@@ -216,12 +232,12 @@ class Generation:
         return self.max_time is not None and time.perf_counter() - self.start > self.max_time
 
     def prefill(self) -> None:
-        engine = self.engine
-        self.state = engine.prefill(self.prompt, self.mode, keys=self.keys, extra_capacity=self.budget,
-                                    blend=self.blend, question=False)
-        self.model = engine.model_for(self.mode)
+        prefiller = self.prefiller
+        self.state = prefiller.prefill(self.prompt, self.mode, keys=self.keys, extra_capacity=self.budget,
+                                       blend=self.blend, question=False)
+        self.model = prefiller.model_for(self.mode)
         self.cache, self.position = self.state.cache, self.state.next_position
-        self.tracker = TextTracker(engine.tokenizer, self.stops)
+        self.tracker = TextTracker(prefiller.tokenizer, self.stops)
         self.ttft, self.steps = None, 0
         if self.state.logits is None:  # the question runs with the next step's tokens
             self.run = list(self.prompt.question)
@@ -234,7 +250,7 @@ class Generation:
         self.steps += 1
         if self.ttft is None:
             self.ttft = time.perf_counter() - self.start
-        if token in self.engine.eos_ids:
+        if token in self.prefiller.eos_ids:
             return self.finish("stop")
         delta = self.tracker.push(token)
         if delta:
@@ -254,7 +270,7 @@ class Generation:
             self.stream.put(tail)
         try:
             if reason != "cancelled":
-                self.engine.store_pending(self.state, self.mode)
+                self.prefiller.store_pending(self.state, self.mode)
         finally:
             self.release()
         state = self.state
@@ -279,4 +295,4 @@ class Generation:
     def release(self) -> None:
         if self.state is not None and not self.released:
             self.released = True
-            self.engine.release(self.state)
+            self.prefiller.release(self.state)

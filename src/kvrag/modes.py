@@ -29,7 +29,11 @@ from .workspace import Workspace
 
 Mode = Literal["full", "block", "composite", "prefix", "blend"]
 MODES: tuple[str, ...] = get_args(Mode)
-CAUSAL_MODES = ("full", "prefix")  # plain causal attention, the attention the published weights were trained for
+CAUSAL_MODES = ("full", "prefix")
+"""Plain causal attention, the attention the published weights were trained for."""
+BLOCK_MODES = tuple(m for m in MODES if m not in CAUSAL_MODES)
+"""block, composite and blend: each passage attended alone, its stored KV reused; what a block-tuned adapter is
+tuned for. The mode sets are written here only: the integrations, CLI and server import them from kvrag."""
 
 
 @dataclass

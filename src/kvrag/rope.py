@@ -4,31 +4,11 @@ A key cached at position p holds R(p)·k. Moving it to position p + delta only n
 rotation R(delta), because rotations compose. The angles come from the model's own
 `inv_freq`, which already carries linear / llama3 / YaRN frequency scaling. We never reuse
 the rotary module's cos/sin: for YaRN and LongRoPE they include an attention scaling factor
-that the cached key already has, and applying it twice would corrupt the key.
+that the cached key already has, and applying it twice would corrupt the key. Which RoPE types
+compose, and so which models load, says families.py.
 """
 
 import torch
-
-# rope_type values whose angle at position p is exactly p * inv_freq with a fixed inv_freq.
-COMPOSABLE_ROPE_TYPES = {"default", "linear", "llama3", "yarn"}
-
-
-def rope_type(config) -> str:
-    params = getattr(config, "rope_parameters", None) or {}
-    return params.get("rope_type", "default")
-
-
-def check_composable(config) -> None:
-    """Refuse RoPE variants whose frequencies depend on the sequence length."""
-    from .errors import UnsupportedModelError
-
-    kind = rope_type(config)
-    if kind not in COMPOSABLE_ROPE_TYPES:
-        raise UnsupportedModelError(
-            f"RoPE type {kind!r} is not supported: its frequencies change with the sequence length "
-            "(dynamic NTK / LongRoPE), so a cached key cannot be moved to a new position exactly. "
-            f"Supported RoPE types: {', '.join(sorted(COMPOSABLE_ROPE_TYPES))}."
-        )
 
 
 def delta_cos_sin(delta: int, inv_freq: torch.Tensor, dtype: torch.dtype):

@@ -21,7 +21,7 @@ Kinds:
   ``ChatKVRag``, which serves every ``text-plain`` block from its cached KV and prefills only the
   question; other chat models may reject ``text-plain`` blocks.
 
-``map_reduce`` and ``map_rerank`` are `kvrag.eval.chains`' baselines as LCEL: the same instructions,
+``map_reduce`` and ``map_rerank`` are `kvrag.chains`' baselines as LCEL: the same instructions,
 user messages, note filter and reply parsing, so on ``ChatKVRag(mode="full")`` they answer exactly as
 the ``kvrag bench accuracy`` runs of ``map_reduce`` / ``map_rerank`` do.
 
@@ -39,8 +39,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
 from kvrag import PromptFormat
-from kvrag.eval import chains as baselines
-from kvrag.eval.chains import (
+from kvrag.chains import (
     MAP_NOTES_SYSTEM,
     MAP_RERANK_SYSTEM,
     MAP_USER,
@@ -49,6 +48,7 @@ from kvrag.eval.chains import (
     join_notes,
     parse_scored_answer,
 )
+from kvrag.chains import ScoredAnswer as BaseScoredAnswer  # extended below with the document and message
 from langchain_core.documents import Document
 from langchain_core.language_models import BaseLanguageModel
 from langchain_core.messages import BaseMessage, HumanMessage, SystemMessage
@@ -261,7 +261,7 @@ def map_reduce_chain(
 
 
 @dataclass(frozen=True)
-class ScoredAnswer(baselines.ScoredAnswer):
+class ScoredAnswer(BaseScoredAnswer):
     """One passage's answer in map_rerank, with the document it came from and the model's message."""
 
     document: Document | None = None

@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from kvrag import GenerationResult, KVEngine, Mode, Passage
+from kvrag import BLOCK_MODES, GenerationResult, KVEngine, Mode, Passage
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
 from langchain_core.language_models import BaseChatModel, LangSmithParams
 from langchain_core.language_models.chat_models import agenerate_from_stream, generate_from_stream
@@ -40,7 +40,6 @@ from langchain_kvrag import callbacks as kv_callbacks
 
 _ROLES = {HumanMessage: "user", AIMessage: "assistant", SystemMessage: "system"}
 _CALL_OPTIONS = ("mode", "max_tokens", "temperature", "top_p", "top_k", "seed")
-_BLOCK_MODES = ("block", "blend", "composite")  # the modes that reuse passages' stored KV
 # A drop-in prompt this long that held no known passage most likely held documents kvrag never saw.
 _WARN_PROMPT_TOKENS = 256
 _warned = False
@@ -258,7 +257,7 @@ def _check_reuse(result: GenerationResult, spans, mode: str) -> None:
     it reused nothing, though it most likely held documents (which only a retriever run, KVRagEmbeddings
     or indexing makes known)."""
     global _warned
-    if _warned or spans is not None or mode not in _BLOCK_MODES or result.cache_hits:
+    if _warned or spans is not None or mode not in BLOCK_MODES or result.cache_hits:
         return
     if result.prompt_tokens < _WARN_PROMPT_TOKENS:
         return

@@ -9,7 +9,7 @@ model and fail there). This wrapper lets LangChain vector stores use the same mo
 import threading
 from pathlib import Path
 
-from kvrag.app.retrieval import Embedder, embedding_model_path
+from kvrag.retrieval import Embedder, embedding_model_path
 from langchain_core.embeddings import Embeddings
 from pydantic import BaseModel, ConfigDict
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from kvrag import KVEngine
-from kvrag.app.retrieval import chroma_client, chroma_collection, chroma_path, parse_chroma_url
+from kvrag.retrieval import chroma_client, chroma_collection, chroma_path, parse_chroma_url
 from langchain_chroma import Chroma
 from langchain_core.documents import Document
 from langchain_core.embeddings import Embeddings
@@ -77,7 +77,7 @@ def default_chroma(
     `chroma_url` (`http://HOST:PORT`) a collection on that Chroma server, shared by every process
     that opens it there.
 
-    Opened by `kvrag.app.retrieval.chroma_collection`, as the kvrag CLI opens its own: cosine space
+    Opened by `kvrag.retrieval.chroma_collection`, as the kvrag CLI opens its own: cosine space
     (kvrag's embeddings are unit vectors), telemetry off, the same client settings, so both can open
     the same directory in one process. A server that does not answer raises
     `kvrag.ChromaUnavailableError` naming the URL.

@@ -1,11 +1,11 @@
-"""MapRerankSynthesizer with a scripted LLM (no model): it is kvrag.eval.chains' map-rerank, with the
+"""MapRerankSynthesizer with a scripted LLM (no model): it is kvrag.chains' map-rerank, with the
 same messages and the same choice of answer; and only KVRagLLM can serve KV blocks."""
 
 from collections.abc import Sequence
 from typing import Any
 
 import pytest
-from kvrag.eval import chains
+from kvrag import chains
 from llama_index.core.base.llms.types import ChatMessage, CompletionResponse, LLMMetadata, MessageRole
 from llama_index.core.llms import CustomLLM, MockLLM
 from llama_index.core.schema import NodeWithScore, TextNode

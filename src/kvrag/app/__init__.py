@@ -1,2 +1,2 @@
-"""What the `kvrag` command is made of and shares with the integrations: corpus splitting and the one
-Chroma-backed retrieval set-up. Not imported by `import kvrag`."""
+"""What the `kvrag` command is made of: the command line, `kvrag serve`, corpus splitting. Its Chroma
+set-up, which the integrations share, is kvrag.retrieval. Not imported by `import kvrag`."""

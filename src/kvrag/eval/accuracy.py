@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 from kvrag import BlendConfig, KVRagError
 from kvrag.modes import CAUSAL_MODES
 
-from . import chains
+from kvrag import chains
 from .data import QUESTION_TYPES, QAExample
 from .layouts import LAYOUTS, OWN, check_layouts
 from .metrics import answer_in_output, token_f1
@@ -145,11 +145,13 @@ def check_methods(methods: Sequence[str], layouts: Sequence[str] = (OWN,)) -> No
                          f"with other prompt layouts choose from {', '.join(MODE_METHODS)}")
 
 
-def _settings(engine, max_new_tokens: int, dataset: dict | None) -> dict:
+def _settings(engine, max_new_tokens: int, dataset: dict | None, weights: str | None = None) -> dict:
     settings = {"model": engine.fingerprint, "blend": asdict(engine.blend), "max_new_tokens": max_new_tokens,
                 "dataset": dataset or {}}
     if engine.causal_fingerprint != engine.fingerprint:  # full and prefix run on other weights
         settings["causal_model"] = engine.causal_fingerprint
+    if weights is not None:
+        settings["weights"] = weights
     return json.loads(json.dumps(settings))  # as read back from the file: tuples become lists
 
 
@@ -193,17 +195,19 @@ def evaluate(
     dataset: dict | None = None,
     progress: bool = True,
     concurrency: int = 1,
+    weights: str | None = None,
 ) -> list[Record]:
     """Every method's answer to every example in every prompt layout, grouped by layout and method.
     `results`, a JSON-lines file, keeps them across runs: a later run with the same model, settings
     and `dataset` description (how the examples were made) only computes what is missing.
     `concurrency`: questions in flight at once, decoded together by the engine's scheduler as many
     users' are (the chains still run one at a time): the same answers up to rounding, as with another
-    thread count, so one file may hold both; each record says how it was answered."""
+    thread count, so one file may hold both; each record says how it was answered. `weights`: a name for
+    the engine's weights (`WEIGHTS`), kept in the file's settings for `weights_table`."""
     if concurrency < 1:
         raise ValueError(f"concurrency must be >= 1, got {concurrency}")
     check_methods(methods, layouts)
-    settings = _settings(engine, max_new_tokens, dataset)
+    settings = _settings(engine, max_new_tokens, dataset, weights)
     path = Path(results) if results else None
     done = _load(path, settings) if path else {}
     if set(methods) & set(REUSING):  # the passages' KV ahead of the questions, as an app indexes them
@@ -389,3 +393,86 @@ def plot(records: Sequence[Record], path: str | Path) -> Path:
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+# ---- the same weights in every mode ---------------------------------------------------------------------
+
+WEIGHTS = {"published": "published weights", "adapter": "shipped adapter"}
+"""The weight sets `kvrag bench accuracy --weights` compares modes on, each in every mode."""
+CORPORA = {"generated": "generated worlds", "squad": "SQuAD", "heldout": "examples/heldout"}
+COMPARED = ("block", "blend")  # each against full, on the same weights
+
+
+def read_results(path: str | Path) -> tuple[dict, list[Record]]:
+    """The settings and records of a results file (plain or gzipped JSON lines)."""
+    import gzip
+
+    path = Path(path)
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt", encoding="utf-8") as f:
+        lines = f.read().splitlines()
+    return json.loads(lines[0])["settings"], [Record(**json.loads(line)) for line in lines[1:] if line.strip()]
+
+
+def _corpus(settings: dict) -> str:
+    return settings.get("dataset", {}).get("corpus", "generated")
+
+
+def _clustered(records: Sequence[Record], method: str) -> tuple[int, float, float]:
+    """(questions, mean, half-width) of `method` − full over the questions every layout answered in both,
+    a question counted once with its mean difference over the layouts (they ask the same questions)."""
+    right = {(r.layout, r.method, r.id): int(r.correct) for r in records}
+    layouts = list(dict.fromkeys(r.layout for r in records))
+    ids = [i for i in dict.fromkeys(r.id for r in records)
+           if all((layout, m, i) in right for layout in layouts for m in (method, "full"))]
+    diffs = [statistics.fmean(right[layout, method, i] - right[layout, "full", i] for layout in layouts) for i in ids]
+    return (len(ids), *paired_interval(diffs)) if ids else (0, math.nan, math.nan)
+
+
+def weights_rows(paths: Sequence[str | Path]) -> list[dict]:
+    """A row per results file (one weight set on one corpus, in one or more prompt layouts): accuracy of
+    full, block and blend, and block's and blend's cost against full on the same weights, paired per question."""
+    rows = []
+    for path in paths:
+        settings, records = read_results(path)
+        if "causal_model" in settings:
+            raise KVRagError(f"{path} answered full mode with other weights than block mode: not like for like")
+        row = {"weights": settings.get("weights", "model"), "corpus": _corpus(settings),
+               "layouts": len({r.layout for r in records}), "questions": len({r.id for r in records})}
+        for method in ("full", *COMPARED):
+            answers = [r.correct for r in records if r.method == method]
+            row[method] = sum(answers) / len(answers) if answers else math.nan
+        for method in COMPARED:
+            row[f"{method}-full"] = _clustered(records, method)[1:]
+        rows.append(row)
+    return rows
+
+
+def weights_table(paths: Sequence[str | Path]) -> str:
+    """`weights_rows` as the Markdown table the README and docs/accuracy.md show (accuracy in %)."""
+    lines = ["| weights | questions | full | block | blend | block − full | blend − full |", "|---|---|---|---|---|---|---|"]
+    for row in weights_rows(paths):
+        layouts = f", {row['layouts']} layouts" if row["layouts"] > 1 else ""
+        lines.append(f"| {WEIGHTS.get(row['weights'], row['weights'])} | {row['questions']} {CORPORA[row['corpus']]}"
+                     f"{layouts} | {100 * row['full']:.1f} | {100 * row['block']:.1f} | {100 * row['blend']:.1f} | "
+                     f"{points(*row['block-full'])} | {points(*row['blend-full'])} |")
+    return "\n".join(lines)
+
+
+def adapter_effect(paths: Sequence[str | Path]) -> list[str]:
+    """The adapter's own effect per corpus: full mode with it minus full mode without it, paired per question
+    (and layout) where the files hold both weight sets on the same questions. A cross-weights comparison,
+    and labelled one."""
+    full: dict[tuple[str, str], dict] = {}
+    for path in paths:
+        settings, records = read_results(path)
+        full[settings.get("weights"), _corpus(settings)] = {(r.layout, r.id): int(r.correct) for r in records
+                                                            if r.method == "full"}
+    lines = []
+    for corpus, label in CORPORA.items():
+        adapter, published = full.get(("adapter", corpus)), full.get(("published", corpus))
+        if adapter and published and (both := sorted(adapter.keys() & published.keys())):
+            diff, half = paired_interval([adapter[k] - published[k] for k in both])
+            lines.append(f"{label}: the adapter's full mode − the published weights' full mode {points(diff, half)} "
+                         f"points ({len(both)} paired answers; across weights)")
+    return lines

@@ -57,7 +57,7 @@ def sample_retrievals(engine, top_k: int = 4) -> tuple[list[str], list[tuple[str
     """The sample corpus's passages, and each of its questions with its top-k passages (MiniLM)."""
     from importlib.resources import files
 
-    from kvrag.app.retrieval import Embedder
+    from kvrag.retrieval import Embedder
     from kvrag.app.split import split_passages
 
     sample = files("kvrag") / "sample"

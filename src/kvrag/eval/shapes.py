@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvrag import KVEngine, attention, loading
+from kvrag import KVEngine, attention, families, loading
 from kvrag.errors import KVRagError
 from kvrag.store import default_storage_dtype
 
@@ -62,7 +62,7 @@ MEMORY_MARGIN = 0.9
 
 def shape_config(name: str, layers: int | None = None):
     """The transformers config of a shape, cut to its first `layers` decoder layers if given."""
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+    from transformers import AutoConfig
 
     if name not in SHAPES:
         raise KVRagError(f"unknown shape {name!r}; shapes: {', '.join(SHAPES)}")
@@ -72,8 +72,7 @@ def shape_config(name: str, layers: int | None = None):
         if not 2 <= layers <= kwargs["num_hidden_layers"]:  # blend mode measures deviation on layer 1
             raise KVRagError(f"--layers must be between 2 and {name}'s {kwargs['num_hidden_layers']}, got {layers}")
         kwargs["num_hidden_layers"] = layers
-    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig}[shape.model_type]
-    return cls(**kwargs)
+    return AutoConfig.for_model(shape.model_type, **kwargs)
 
 
 def available_memory(device: torch.device) -> int:
@@ -147,7 +146,7 @@ def random_engine(name: str, tokenizer, *, device: torch.device, dtype: torch.dt
     too (where Block-Attention's table has the cached KV), and writes nothing to disk."""
     config = shape_config(name, layers)
     storage_dtype = default_storage_dtype(dtype)
-    window = loading.context_window(config)
+    window = families.context_window(config)
     if tokens >= window:
         raise KVRagError(f"{name}'s context window is {window} tokens; a {tokens}-token prompt does not fit")
     check_fits(name, config, dtype, storage_dtype, device, tokens)
@@ -169,5 +168,5 @@ def describe(name: str, config) -> str:
     cut = "" if config.num_hidden_layers == total else f", CUT TO {config.num_hidden_layers} OF {total} LAYERS"
     return (f"shape {name} ({shape.source}'s config{cut}): random weights, "
             f"{loading.param_count(config) / 1e9:.2f}B parameters, {config.num_hidden_layers} layers x "
-            f"{config.num_attention_heads} heads ({config.num_key_value_heads} KV) of {loading.head_dim(config)}, "
+            f"{config.num_attention_heads} heads ({config.num_key_value_heads} KV) of {families.head_dim(config)}, "
             f"vocab {config.vocab_size}")

@@ -18,7 +18,7 @@ import statistics
 import torch
 
 from kvrag import BlendConfig
-from kvrag.loading import head_dim
+from kvrag.families import head_dim
 
 BLEND_RATIOS = (0.10, 0.15, 0.30)
 

@@ -33,7 +33,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import get_linear_schedule_with_warmup
 
-from kvrag import attention
+from kvrag import attention, families
 from kvrag.blend import BlendConfig, fresh_kv, most_deviating, question_attention, sink_positions
 from kvrag.eval.layouts import LAYOUTS, OWN, check_layouts
 from kvrag.eval.metrics import answer_in_output
@@ -85,6 +85,7 @@ def blend_rows(model, example: TrainingExample) -> torch.Tensor:
     training = model.training
     model.eval()
     decoder, device, n = model.get_decoder(), model.device, len(example.ids)
+    family = families.family(model.config)
     positions = torch.arange(n, device=device)
     hidden = decoder.embed_tokens(torch.tensor(example.ids, device=device))[None]
     cos, sin = decoder.rotary_emb(hidden, positions[None])
@@ -94,12 +95,14 @@ def blend_rows(model, example: TrainingExample) -> torch.Tensor:
     kept = config.kept(0, end - first)
     if config.select == "attention":
         question = slice(end, next(i for i, label in enumerate(example.labels) if label != IGNORE))
-        keys, _ = fresh_kv(decoder.layers[1], blocked[:, :end], cos[:, :end], sin[:, :end])
-        mass = question_attention(decoder.layers[1], blocked[:, question], cos[:, question], sin[:, question], keys)
+        keys, _ = fresh_kv(family, decoder.layers[1], blocked[:, :end], cos[:, :end], sin[:, :end])
+        mass = question_attention(family, decoder.layers[1], blocked[:, question], cos[:, question], sin[:, question],
+                                  keys)
         chosen = first + mass[first:end].topk(kept).indices
     else:
         plain = layer0(attention.mask(positions, n, hidden.dtype))
-        fresh, cached = (config.compared(*fresh_kv(decoder.layers[1], h, cos, sin))[:, :, first:end] for h in (plain, blocked))
+        fresh, cached = (config.compared(*fresh_kv(family, decoder.layers[1], h, cos, sin))[:, :, first:end]
+                         for h in (plain, blocked))
         chosen = first + most_deviating(fresh, cached, kept)
     model.train(training)
     starts = [s for s in itertools.accumulate(example.lengths, initial=0) if first <= s < end]  # the blocks' own
@@ -284,7 +287,7 @@ class TrainConfig:
     save_every: int = 25
     seed: int = 0  # the order examples are drawn in (the CLI also draws the full-attention share with it)
     # seeds torch for the LoRA init and the dropout masks; None leaves torch's generator as the process
-    # has it, which is how the shipped adapter's stages were trained
+    # has it, as in the first runs of the shipped adapter's recipe
     init_seed: int | None = None
     init_adapter: str | None = None  # a saved LoRA adapter (same rank) to continue training from
     distill: float = 0.0  # weight of block mode's divergence from full mode's predictions (`loss`)
@@ -351,9 +354,8 @@ def train(engine, examples: Sequence[TrainingExample], out: str | Path, config: 
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=config.learning_rate, weight_decay=0.0)
     schedule = get_linear_schedule_with_warmup(optimizer, config.warmup_steps, config.steps)
+    # this run's own record; the adapter it continues from is named in its config (a recipe file says how it was made)
     state = {"step": 0, "losses": [], "config": asdict(config), "about": dict(about or {})}
-    if config.init_adapter:  # how the starting point was made, so that the result can be reproduced
-        state["about"]["init_adapter_training"] = _training_record(Path(config.init_adapter))
     previous = checkpoint.with_name(checkpoint.name + ".old")
     if not checkpoint.exists() and previous.exists():  # stopped between the two renames of `_save`
         previous.rename(checkpoint)
@@ -399,14 +401,6 @@ def train(engine, examples: Sequence[TrainingExample], out: str | Path, config: 
     state["seconds_this_run"] = round(time.perf_counter() - started, 1)
     (out / "training.json").write_text(json.dumps(state, indent=1))
     return final
-
-
-def _training_record(adapter: Path) -> dict | None:
-    """The training.json of a saved adapter: beside it (`OUT/adapter`) or inside it (the shipped one)."""
-    for record in (adapter / "training.json", adapter.parent / "training.json"):
-        if record.exists():
-            return json.loads(record.read_text())
-    return None
 
 
 def _save(checkpoint: Path, model, optimizer, schedule, state: dict, config: TrainConfig) -> None:

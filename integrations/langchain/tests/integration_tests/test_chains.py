@@ -101,9 +101,9 @@ def test_map_rerank_answers_every_passage_and_keeps_the_best(llms, institutions)
 
 
 def test_core_chains_answer_as_the_langchain_chains_do(engine, llms, institutions):
-    """kvrag.eval.chains (what `kvrag bench accuracy` runs) sends the same messages as these chains on
+    """kvrag.chains (what `kvrag bench accuracy` runs) sends the same messages as these chains on
     ChatKVRag(mode="full"): same notes, replies and answers."""
-    from kvrag.eval import chains
+    from kvrag import chains
 
     passages = [d.page_content for d in institutions]
     ours = chains.map_reduce(engine, KEEPER, passages, max_new_tokens=40, note_tokens=40)

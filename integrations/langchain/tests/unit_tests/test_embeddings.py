@@ -15,7 +15,7 @@ class TestKVRagEmbeddingsUnit(EmbeddingsUnitTests):
 
 
 class FakeEmbedder:
-    """Stands in for kvrag.app.retrieval.Embedder and counts how often a model is loaded."""
+    """Stands in for kvrag.retrieval.Embedder and counts how often a model is loaded."""
 
     loads: list[tuple[str, str]] = []
 

@@ -19,6 +19,7 @@ import weakref
 from contextvars import ContextVar
 from typing import Any
 
+from kvrag import BLOCK_MODES
 from llama_index.core.base.response.schema import Response
 from llama_index.core.instrumentation import get_dispatcher
 from llama_index.core.instrumentation.event_handlers import BaseEventHandler
@@ -26,8 +27,6 @@ from llama_index.core.instrumentation.events import BaseEvent
 from llama_index.core.instrumentation.events.retrieval import RetrievalEndEvent
 from llama_index.core.instrumentation.events.synthesis import SynthesizeEndEvent, SynthesizeStartEvent
 from llama_index.core.schema import MetadataMode
-
-BLOCK_MODES = ("block", "blend", "composite")  # the modes that reuse passages' stored KV
 
 # id -> weak reference of each live KVRagLLM (pydantic models are unhashable: no WeakSet); a dropped one stops learning
 _llms: dict[int, weakref.ref] = {}

@@ -9,7 +9,7 @@ import hashlib
 from pathlib import Path
 from typing import Any
 
-from kvrag.app.retrieval import chroma_collection, chroma_path, embedding_model_path, parse_chroma_url
+from kvrag.retrieval import chroma_collection, chroma_path, embedding_model_path, parse_chroma_url
 from llama_index.core.schema import BaseNode, MetadataMode
 from llama_index.core.vector_stores.utils import node_to_metadata_dict
 from llama_index.embeddings.huggingface import HuggingFaceEmbedding
@@ -76,7 +76,7 @@ def default_vector_store(
     URL and collection shares; a server that does not answer raises `kvrag.ChromaUnavailableError`
     naming the URL. `path` and `chroma_url` do not go together.
 
-    Opened by `kvrag.app.retrieval.chroma_collection`, like the CLI's and LangChain's: cosine space,
+    Opened by `kvrag.retrieval.chroma_collection`, like the CLI's and LangChain's: cosine space,
     and no embedding function of its own (Chroma's default would download a model): the index
     computes every vector with its `embed_model`. Idempotent (`IdempotentChromaVectorStore`): a
     script that ingests the same documents on every run keeps one copy of each node.

@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
 from kvrag import EmptyInputError
-from kvrag.eval.chains import MAP_RERANK_SYSTEM, map_message, rerank
+from kvrag.chains import MAP_RERANK_SYSTEM, map_message, rerank
 from llama_index.core.base.llms.types import ChatMessage, ChatResponse, DocumentBlock, MessageRole, TextBlock
 from llama_index.core.base.response.schema import RESPONSE_TYPE, AsyncStreamingResponse, Response, StreamingResponse
 from llama_index.core.callbacks import CallbackManager
@@ -176,7 +176,7 @@ async def _adeltas(stream: AsyncIterator[ChatResponse], metadata: dict) -> Async
 class MapRerankSynthesizer(BaseSynthesizer):
     """One call per node answers the question and rates the answer 0-100; the best-rated answer wins.
 
-    LlamaIndex has no map-rerank mode; this one works with any LLM and is `kvrag.eval.chains`'
+    LlamaIndex has no map-rerank mode; this one works with any LLM and is `kvrag.chains`'
     map-rerank (what `kvrag bench accuracy` runs): the same messages, and scores parsed leniently by
     the same `rerank`: an answer without a score ranks below every scored one, ties go to the earlier
     node, i.e. the retriever's better one. The async path runs the calls concurrently. A streaming
