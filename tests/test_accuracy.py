@@ -178,7 +178,7 @@ def test_bench_accuracy_smoke_on_the_default_model(kvrag_home, tmp_path, capsys)
     out, same_weights = capsys.readouterr().out.split("The cost of block attention on the same weights")
     rows = [line for line in out.splitlines() if line.startswith("| ") and not line.startswith("| method")]
     assert [row.split(" | ")[0][2:] for row in rows] == list(METHODS)
-    assert same_weights.count("| shipped adapter | 4 generated worlds |") == 1
+    assert same_weights.count("| shipped adapter | generated worlds | 4 |") == 1
     for row in rows:
         cells = row.strip("| ").split(" | ")
         assert cells[1] == "4"
@@ -202,7 +202,8 @@ def test_bench_accuracy_in_the_layouts_of_real_apps_on_the_default_model(kvrag_h
     assert main(argv) == 0
     out, same_weights = capsys.readouterr().out.split("The cost of block attention on the same weights")
     rows = [line.strip("| ").split(" | ") for line in out.splitlines() if line.startswith("| ") and "| method |" not in line]
-    assert "| shipped adapter | 2 generated worlds, 3 layouts |" in same_weights
+    assert "| shipped adapter | generated worlds, 3 layouts pooled | 2 |" in same_weights
+    assert "| shipped adapter | generated worlds, `langchain-rag-prompt` | 2 |" in same_weights
     assert [row[:3] for row in rows] == [[layout, method, "2"] for layout in ("kvrag", "langchain-rag-prompt", "numbered")
                                          for method in ("full", "block", "blend")]
     assert "[langchain-rag-prompt] block - full: " in out and "100% in prose" in out
@@ -243,7 +244,7 @@ def test_bench_accuracy_compares_modes_on_the_same_weights_on_the_default_model(
     settings = [read_results(p)[0] for p in paths]
     assert [s["weights"] for s in settings] == ["published", "adapter"] and all("causal_model" not in s for s in settings)
     assert settings[0]["model"] != settings[1]["model"]
-    assert weights_table(paths) in out and "| published weights | 2 examples/heldout |" in out
+    assert weights_table(paths) in out and "| published weights | examples/heldout | 2 |" in out
     assert "the adapter's full mode − the published weights' full mode" in out and "across weights" in out
 
 
@@ -268,11 +269,15 @@ def test_the_same_weights_table_pairs_each_mode_with_full_per_question(tmp_path)
     paths = [write_results(tmp_path / "p.jsonl", "published", "squad", published),
              write_results(tmp_path / "a.jsonl", "adapter", "squad", adapter)]
     table = weights_table(paths).splitlines()
-    assert table[2] == "| published weights | 8 SQuAD | 50.0 | 25.0 | 37.5 | −25.0 ± 32.1 | −12.5 ± 24.5 |"
-    assert table[3] == "| shipped adapter | 8 SQuAD, 2 layouts | 75.0 | 75.0 | 75.0 | +0.0 ± 0.0 | +0.0 ± 0.0 |"
+    assert table[2] == "| published weights | SQuAD | 8 | 50.0 | 25.0 | 37.5 | −25.0 ± 32.1 | −12.5 ± 24.5 |"
+    assert table[3:] == [f"| shipped adapter | SQuAD, {where} | 8 | 75.0 | 75.0 | 75.0 | +0.0 ± 0.0 | +0.0 ± 0.0 |"
+                         for where in ("`kvrag`", "`numbered`", "2 layouts pooled")]
     [effect] = adapter_effect(paths)
     assert effect.startswith("SQuAD: the adapter's full mode − the published weights' full mode +25.0 ± ")
-    assert "(8 paired answers; across weights)" in effect
+    assert "(8 questions; across weights)" in effect
+    both_layouts = {(layout, m, i): right for (_, m, i), right in published.items() for layout in ("kvrag", "numbered")}
+    [effect] = adapter_effect([write_results(tmp_path / "p2.jsonl", "published", "squad", both_layouts), paths[1]])
+    assert "+25.0 ± " in effect and "(8 questions; across weights)" in effect  # a question once, not once per layout
     across = write_results(tmp_path / "x.jsonl", "adapter", "squad", adapter, causal="published")
     with pytest.raises(KVRagError, match="not like for like"):
         weights_table([across])

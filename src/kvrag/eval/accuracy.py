@@ -18,10 +18,9 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from kvrag import BlendConfig, KVRagError
+from kvrag import BlendConfig, KVRagError, chains
 from kvrag.modes import CAUSAL_MODES
 
-from kvrag import chains
 from .data import QUESTION_TYPES, QAExample
 from .layouts import LAYOUTS, OWN, check_layouts
 from .metrics import answer_in_output, token_f1
@@ -430,39 +429,44 @@ def _clustered(records: Sequence[Record], method: str) -> tuple[int, float, floa
 
 
 def weights_rows(paths: Sequence[str | Path]) -> list[dict]:
-    """A row per results file (one weight set on one corpus, in one or more prompt layouts): accuracy of
-    full, block and blend, and block's and blend's cost against full on the same weights, paired per question."""
+    """Rows of results files (each one weight set on one corpus): accuracy of full, block and blend, and
+    block's and blend's cost against full on the same weights, paired per question. A file asked in several
+    prompt layouts gives a row per layout, then one pooled over them (each question counted once)."""
     rows = []
     for path in paths:
         settings, records = read_results(path)
         if "causal_model" in settings:
             raise KVRagError(f"{path} answered full mode with other weights than block mode: not like for like")
-        row = {"weights": settings.get("weights", "model"), "corpus": _corpus(settings),
-               "layouts": len({r.layout for r in records}), "questions": len({r.id for r in records})}
-        for method in ("full", *COMPARED):
-            answers = [r.correct for r in records if r.method == method]
-            row[method] = sum(answers) / len(answers) if answers else math.nan
-        for method in COMPARED:
-            row[f"{method}-full"] = _clustered(records, method)[1:]
-        rows.append(row)
+        layouts = list(dict.fromkeys(r.layout for r in records))
+        parts = [(layout, [r for r in records if r.layout == layout]) for layout in layouts] if len(layouts) > 1 else []
+        for layout, chosen in [*parts, (None, records)]:
+            row = {"weights": settings.get("weights", "model"), "corpus": _corpus(settings), "layout": layout,
+                   "layouts": len(layouts), "questions": len({r.id for r in chosen})}
+            for method in ("full", *COMPARED):
+                answers = [r.correct for r in chosen if r.method == method]
+                row[method] = sum(answers) / len(answers) if answers else math.nan
+            for method in COMPARED:
+                row[f"{method}-full"] = _clustered(chosen, method)[1:]
+            rows.append(row)
     return rows
 
 
 def weights_table(paths: Sequence[str | Path]) -> str:
     """`weights_rows` as the Markdown table the README and docs/accuracy.md show (accuracy in %)."""
-    lines = ["| weights | questions | full | block | blend | block − full | blend − full |", "|---|---|---|---|---|---|---|"]
+    lines = ["| weights | corpus | questions | full | block | blend | block − full | blend − full |",
+             "|---|---|---:|---:|---:|---:|---|---|"]
     for row in weights_rows(paths):
-        layouts = f", {row['layouts']} layouts" if row["layouts"] > 1 else ""
-        lines.append(f"| {WEIGHTS.get(row['weights'], row['weights'])} | {row['questions']} {CORPORA[row['corpus']]}"
-                     f"{layouts} | {100 * row['full']:.1f} | {100 * row['block']:.1f} | {100 * row['blend']:.1f} | "
+        where = f", `{row['layout']}`" if row["layout"] else f", {row['layouts']} layouts pooled" if row["layouts"] > 1 else ""
+        lines.append(f"| {WEIGHTS.get(row['weights'], row['weights'])} | {CORPORA[row['corpus']]}{where} | "
+                     f"{row['questions']} | {100 * row['full']:.1f} | {100 * row['block']:.1f} | {100 * row['blend']:.1f} | "
                      f"{points(*row['block-full'])} | {points(*row['blend-full'])} |")
     return "\n".join(lines)
 
 
 def adapter_effect(paths: Sequence[str | Path]) -> list[str]:
     """The adapter's own effect per corpus: full mode with it minus full mode without it, paired per question
-    (and layout) where the files hold both weight sets on the same questions. A cross-weights comparison,
-    and labelled one."""
+    where the files hold both weight sets on the same questions (a question asked in several layouts counted
+    once, with its mean difference over them). A cross-weights comparison, and labelled one."""
     full: dict[tuple[str, str], dict] = {}
     for path in paths:
         settings, records = read_results(path)
@@ -471,8 +475,11 @@ def adapter_effect(paths: Sequence[str | Path]) -> list[str]:
     lines = []
     for corpus, label in CORPORA.items():
         adapter, published = full.get(("adapter", corpus)), full.get(("published", corpus))
-        if adapter and published and (both := sorted(adapter.keys() & published.keys())):
-            diff, half = paired_interval([adapter[k] - published[k] for k in both])
+        if adapter and published and (both := adapter.keys() & published.keys()):
+            per_question = collections.defaultdict(list)
+            for layout, i in both:
+                per_question[i].append(adapter[layout, i] - published[layout, i])
+            diff, half = paired_interval([statistics.fmean(d) for d in per_question.values()])
             lines.append(f"{label}: the adapter's full mode − the published weights' full mode {points(diff, half)} "
-                         f"points ({len(both)} paired answers; across weights)")
+                         f"points ({len(per_question)} questions; across weights)")
     return lines
