@@ -10,9 +10,9 @@ import pytest
 
 from kvrag import KVRagError
 from kvrag.app.cli import main
-from kvrag.eval.accuracy import (METHODS, RUNNERS, Record, adapter_effect, against_full, evaluate, flops_generation,
-                                 format_against_full, format_table, paired_interval, plot, points, pooled_against_full,
-                                 read_results, summarize, weights_table)
+from kvrag.eval.accuracy import (METHODS, RUNNERS, Record, adapter_effect, against_full, check_methods, curve_table,
+                                 evaluate, flops_generation, format_against_full, format_table, paired_interval, plot,
+                                 points, pooled_against_full, read_results, summarize, weights_table)
 from kvrag.eval.ttft import flops_to_first_token, layer_flops
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -29,6 +29,23 @@ def test_every_method_answers_every_question(engine, examples, tmp_path):
         assert by["block", e.id].prompt_tokens == by["full", e.id].prompt_tokens
         assert by["map_rerank", e.id].prompt_tokens > by["full", e.id].prompt_tokens
         assert by["block", e.id].flops < by["blend", e.id].flops < by["full", e.id].flops < by["map_rerank", e.id].flops
+
+
+def test_blend_at_a_share_runs_from_block_to_full(engine, examples, tmp_path):
+    """The curve's methods: blend@0 recomputes nothing (block's answers), blend@1 every passage token (full's),
+    shares between recompute more as they grow; curve_table reads the shares back from the file."""
+    methods = ["full", "block", "blend@0", "blend@0.3", "blend@1"]
+    records = evaluate(engine, examples, methods, max_new_tokens=4, results=tmp_path / "c.jsonl", progress=False)
+    by = {(r.method, r.id): r for r in records}
+    for e in examples:
+        assert by["blend@0", e.id].output == by["block", e.id].output
+        assert by["blend@1", e.id].output == by["full", e.id].output
+        assert by["block", e.id].flops <= by["blend@0", e.id].flops < by["blend@0.3", e.id].flops < by["blend@1", e.id].flops
+    rows = [line.split(" | ")[:2] for line in curve_table(tmp_path / "c.jsonl").splitlines()[2:]]
+    assert rows == [["| full", "1"], ["| block", "0"], ["| blend@0", "0"], ["| blend@0.3", "0.3"], ["| blend@1", "1"]]
+    for bad in ("blend@1.5", "blend@", "blend@-0.1", "blend@x"):
+        with pytest.raises(ValueError, match="blend@R"):
+            check_methods([bad])
 
 
 def test_passages_are_indexed_ahead_only_for_methods_that_reuse_their_kv(engine, examples, monkeypatch):
@@ -232,10 +249,11 @@ def test_bench_accuracy_on_squad_questions_on_the_default_model(kvrag_home, tmp_
 
 @pytest.mark.e2e
 def test_bench_accuracy_compares_modes_on_the_same_weights_on_the_default_model(kvrag_home, tmp_path, capsys):
-    """By default both weight sets answer, each in every mode: a row each, and the adapter's own effect apart."""
+    """By default both weight sets answer, each in every mode: a row each, and the adapter's own effect apart;
+    --blend-ratios adds blend at those shares and each weight set's curve."""
     results = tmp_path / "heldout.jsonl"
     argv = ["bench", "accuracy", "--heldout", "--limit", "2", "--passages", "3", "--max-new-tokens", "6",
-            "--methods", "full,block,blend", "--results", str(results), "--plot", ""]
+            "--methods", "full,block,blend", "--blend-ratios", "0.5", "--results", str(results), "--plot", ""]
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "the published weights, in every mode; 2 questions on examples/heldout" in out
@@ -246,6 +264,7 @@ def test_bench_accuracy_compares_modes_on_the_same_weights_on_the_default_model(
     assert settings[0]["model"] != settings[1]["model"]
     assert weights_table(paths) in out and "| published weights | examples/heldout | 2 |" in out
     assert "the adapter's full mode − the published weights' full mode" in out and "across weights" in out
+    assert all(curve_table(p) in out and "| blend@0.5 | 0.5 |" in curve_table(p) for p in paths)
 
 
 def write_results(path, weights, corpus, answers, causal=None):

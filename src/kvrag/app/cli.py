@@ -356,13 +356,15 @@ def cmd_bench_accuracy(args):
     if (args.squad is not None) + (args.heldout is not None) > 1:
         raise KVRagError("--squad and --heldout are two corpora: ask one at a time")
     from kvrag.eval import data, heldout, squad
-    from kvrag.eval.accuracy import (adapter_effect, check_methods, evaluate, format_against_full, format_table, plot,
-                                     summarize, weights_table)
+    from kvrag.eval.accuracy import (adapter_effect, check_methods, curve_table, evaluate, format_against_full,
+                                     format_table, plot, summarize, weights_table)
 
     layouts = _layouts(args.prompts)
     own = layouts == ["kvrag"]
     methods = args.methods or ",".join(BENCH_METHODS if own else LAYOUT_METHODS)
     methods = [m.strip() for m in methods.split(",") if m.strip()]
+    if args.blend_ratios:  # the curve: blend at each share, beside the methods
+        methods += [f"blend@{r.strip()}" for r in args.blend_ratios.split(",") if r.strip()]
     check_methods(methods, layouts)
     weight_sets = _weight_sets(args)
     if args.prose and args.squad is not None:
@@ -406,6 +408,8 @@ def cmd_bench_accuracy(args):
         print(format_table(summarize(records)))
         if gaps := format_against_full(records):
             print(f"\n{gaps}")
+        if args.blend_ratios:
+            print(f"\nAccuracy against the share of passage tokens recomputed:\n{curve_table(results)}")
         print(f"\nanswers: {results}")
         if args.plot != "":
             print(f"plot: {plot(records, args.plot or results.with_suffix('.png'))}")
@@ -761,6 +765,9 @@ def build_parser(finetune_config: dict | None = None) -> argparse.ArgumentParser
                    f"(default: {','.join(BENCH_METHODS)}; in other prompt layouts {','.join(LAYOUT_METHODS)})")
     b.add_argument("--prompts", default="kvrag",
                    help=f"comma-separated prompt layouts to ask in, or 'all': {', '.join(BENCH_LAYOUTS)}")
+    b.add_argument("--blend-ratios", metavar="R,R,...",
+                   help="also blend mode recomputing each of these shares of the passages (0: block's answers, 1: "
+                        "full's), as methods blend@R: the curve of accuracy against the share (default: none)")
     b.add_argument("--prose", type=float, default=0.0, help="share of the world's passages written as connected prose")
     b.add_argument("--squad", nargs="?", const="", metavar="PATH",
                    help="ask SQuAD v1.1's questions (hand-written, on Wikipedia paragraphs) instead of the generated "

@@ -11,9 +11,10 @@ run resumes where it stopped.
 import collections
 import json
 import math
+import re
 import statistics
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from tqdm.auto import tqdm
@@ -65,13 +66,17 @@ def flops_generation(config, prompt_tokens: int, generated: int) -> float:
     return flops_to_first_token(config, prompt_tokens, 0) + config.num_hidden_layers * decode
 
 
-def _mode(mode: str, blend: BlendConfig | None = None) -> Callable:
+def _mode(mode: str, blend: BlendConfig | None = None, ratio: float | None = None) -> Callable:
+    """A method answering in `mode` from one prompt; blend with `blend`'s settings, or the engine's with
+    `ratio` as the share recomputed."""
+
     def run(engine, example: QAExample, max_new_tokens: int, layout: str = OWN) -> Answer:
         return submit(engine, example, max_new_tokens, layout)()
 
     def submit(engine, example: QAExample, max_new_tokens: int, layout: str = OWN) -> Callable[[], Answer]:
         """Hand the question to the engine's scheduler now; the returned call waits for its answer."""
-        options = {"mode": mode, "max_new_tokens": max_new_tokens, "blend": blend}
+        settings = replace(engine.blend, recompute_ratio=ratio) if ratio is not None else blend
+        options = {"mode": mode, "max_new_tokens": max_new_tokens, "blend": settings}
         if layout == OWN:
             stream = engine.stream(example.question, list(example.passages), **options)
         else:  # the drop-in path: rendered text, its passages found by content
@@ -128,17 +133,33 @@ RUNNERS: dict[str, Callable] = {
 
 
 MODE_METHODS = ("full", "block", "blend", "composite", "prefix", "blend_values", "blend_deviation")
-"""The methods that answer from one prompt, so that any prompt layout applies; the chains write their own."""
+"""The methods that answer from one prompt, so that any prompt layout applies; the chains write their own.
+Blend at a share of its own, "blend@0.3", is one too (`runner`)."""
 REUSING = tuple(m for m in MODE_METHODS if m not in CAUSAL_MODES)
 """The methods that read the indexed passages' KV (the rest prefill every token)."""
+AT_SHARE = re.compile(r"blend@(0(?:\.\d+)?|1(?:\.0*)?)")
+
+
+def runner(method: str) -> Callable | None:
+    """What answers as `method`: a name of RUNNERS, or "blend@R", blend mode recomputing a share R of the
+    passages (the engine's other blend settings), for the curve of accuracy against the share."""
+    if method in RUNNERS:
+        return RUNNERS[method]
+    at = AT_SHARE.fullmatch(method)
+    return _mode("blend", ratio=float(at.group(1))) if at else None
+
+
+def answers_from_one_prompt(method: str) -> bool:
+    return method in MODE_METHODS or AT_SHARE.fullmatch(method) is not None
 
 
 def check_methods(methods: Sequence[str], layouts: Sequence[str] = (OWN,)) -> None:
-    unknown = [m for m in methods if m not in RUNNERS]
+    unknown = [m for m in methods if runner(m) is None]
     if unknown or not methods:
-        raise ValueError(f"unknown method(s) {unknown or methods}; choose from {', '.join(RUNNERS)}")
+        raise ValueError(f"unknown method(s) {unknown or methods}; choose from {', '.join(RUNNERS)}, or blend@R "
+                         "for blend recomputing a share R between 0 and 1")
     check_layouts(layouts)
-    chains = [m for m in methods if m not in MODE_METHODS]
+    chains = [m for m in methods if not answers_from_one_prompt(m)]
     if chains and any(layout != OWN for layout in layouts):
         raise ValueError(f"{', '.join(chains)} write their own prompts, so they answer in kvrag's layout only; "
                          f"with other prompt layouts choose from {', '.join(MODE_METHODS)}")
@@ -209,11 +230,12 @@ def evaluate(
     settings = _settings(engine, max_new_tokens, dataset, weights)
     path = Path(results) if results else None
     done = _load(path, settings) if path else {}
-    if set(methods) & set(REUSING):  # the passages' KV ahead of the questions, as an app indexes them
+    if any(m in REUSING or AT_SHARE.fullmatch(m) for m in methods):  # the passages' KV first, as an app indexes them
         engine.index(sorted({p for e in examples for p in e.passages}), progress=progress)
     if examples:  # warm-up: buffers and allocator, outside the timings
         engine.generate(examples[0].question, list(examples[0].passages), mode="block", max_new_tokens=2)
     runs = [(layout, method) for layout in layouts for method in methods]
+    runners = {method: runner(method) for method in methods}
     jobs = [(example, *run) for i, example in enumerate(examples) for run in runs[i % len(runs):] + runs[: i % len(runs)]]
     answered: list[Record | None] = [None] * len(jobs)
     bar = tqdm(total=len(jobs), desc="kvrag: answering", unit="answer", disable=not progress)
@@ -245,7 +267,7 @@ def evaluate(
                 answered[k] = record
                 bar.update()
                 continue
-            run = RUNNERS[method]
+            run = runners[method]
             args = (engine, example, max_new_tokens) + (() if layout == OWN else (layout,))
             if concurrency > 1 and hasattr(run, "submit"):
                 in_flight.append((k, run.submit(*args)))
@@ -483,3 +505,22 @@ def adapter_effect(paths: Sequence[str | Path]) -> list[str]:
             lines.append(f"{label}: the adapter's full mode − the published weights' full mode {points(diff, half)} "
                          f"points ({len(per_question)} questions; across weights)")
     return lines
+
+
+def curve_table(path: str | Path) -> str:
+    """One weight set's accuracy against the share of passage tokens recomputed: a row per method of a
+    results file (block is share 0, full 1, blend@R R), with its median TTFT and its difference from full
+    paired per question (pooled over layouts, each question once). TTFT is one user's only where the file
+    was answered one question at a time."""
+    settings, records = read_results(path)
+    lines = [f"| {WEIGHTS.get(settings.get('weights'), 'weights')}, {CORPORA[_corpus(settings)]} | share recomputed | "
+             "accuracy | − full | median TTFT ms |", "|---|---:|---:|---|---:|"]
+    for method in dict.fromkeys(r.method for r in records):
+        answers = [r for r in records if r.method == method]
+        at = AT_SHARE.fullmatch(method)
+        share = {"block": "0", "full": "1", "blend": f"{settings['blend']['recompute_ratio']:g}"}.get(
+            method, at.group(1) if at else "-")
+        gap = "" if method == "full" else points(*_clustered(records, method)[1:])
+        lines.append(f"| {method} | {share} | {100 * statistics.fmean(r.correct for r in answers):.1f} | {gap} | "
+                     f"{statistics.median(r.ttft for r in answers) * 1e3:.0f} |")
+    return "\n".join(lines)
