@@ -41,8 +41,8 @@ def test_blend_at_a_share_runs_from_block_to_full(engine, examples, tmp_path):
         assert by["blend@0", e.id].output == by["block", e.id].output
         assert by["blend@1", e.id].output == by["full", e.id].output
         assert by["block", e.id].flops <= by["blend@0", e.id].flops < by["blend@0.3", e.id].flops < by["blend@1", e.id].flops
-    rows = [line.split(" | ")[:2] for line in curve_table(tmp_path / "c.jsonl").splitlines()[2:]]
-    assert rows == [["| full", "1"], ["| block", "0"], ["| blend@0", "0"], ["| blend@0.3", "0.3"], ["| blend@1", "1"]]
+    rows = [line.split(" | ")[2:4] for line in curve_table([tmp_path / "c.jsonl"]).splitlines()[2:]]
+    assert rows == [["full", "1"], ["block", "0"], ["blend@0", "0"], ["blend@0.3", "0.3"], ["blend@1", "1"]]
     for bad in ("blend@1.5", "blend@", "blend@-0.1", "blend@x"):
         with pytest.raises(ValueError, match="blend@R"):
             check_methods([bad])
@@ -250,10 +250,11 @@ def test_bench_accuracy_on_squad_questions_on_the_default_model(kvrag_home, tmp_
 @pytest.mark.e2e
 def test_bench_accuracy_compares_modes_on_the_same_weights_on_the_default_model(kvrag_home, tmp_path, capsys):
     """By default both weight sets answer, each in every mode: a row each, and the adapter's own effect apart;
-    --blend-ratios adds blend at those shares and each weight set's curve."""
+    --blend-ratios adds blend at those shares and the weight sets' curve."""
     results = tmp_path / "heldout.jsonl"
     argv = ["bench", "accuracy", "--heldout", "--limit", "2", "--passages", "3", "--max-new-tokens", "6",
-            "--methods", "full,block,blend", "--blend-ratios", "0.5", "--results", str(results), "--plot", ""]
+            "--methods", "full,block,blend", "--blend-ratios", "0.5", "--results", str(results),
+            "--plot", str(tmp_path / "curve.png")]
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "the published weights, in every mode; 2 questions on examples/heldout" in out
@@ -264,7 +265,9 @@ def test_bench_accuracy_compares_modes_on_the_same_weights_on_the_default_model(
     assert settings[0]["model"] != settings[1]["model"]
     assert weights_table(paths) in out and "| published weights | examples/heldout | 2 |" in out
     assert "the adapter's full mode − the published weights' full mode" in out and "across weights" in out
-    assert all(curve_table(p) in out and "| blend@0.5 | 0.5 |" in curve_table(p) for p in paths)
+    assert curve_table(paths) in out and curve_table(paths).count("| examples/heldout | blend@0.5 | 0.5 |") == 2
+    for name in ("published", "adapter"):  # a plot per weight set, named as the results are
+        assert (tmp_path / f"curve-{name}.png").read_bytes().startswith(PNG)
 
 
 def write_results(path, weights, corpus, answers, causal=None):

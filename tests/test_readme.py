@@ -66,27 +66,33 @@ def test_python_snippet_runs(path, line, code, monkeypatch, capsys):
             assert ANSWERS[question].lower() in out.lower(), (question, out)
 
 
-TABLE = re.compile(r"^<!-- table: ([^>]+?) -->\n\n?((?:\|.*\n?)+)", re.MULTILINE)
-"""A Markdown table computed from results files, and the comment before it that names them."""
+TABLE = re.compile(r"^<!-- (table|curve): ([^>]+?) -->\n\n?((?:\|.*\n?)+)", re.MULTILINE)
+"""A Markdown table computed from results files, and the comment before it that names them and the function:
+`weights_table` for "table", `curve_table` for "curve"."""
+IMAGE = re.compile(r"!\[[^\]]*\]\(([^)]+\.png)\)")
 RESULTS = ROOT / "docs" / "results"
 
 
 def test_each_accuracy_table_is_what_its_results_files_compute():
     """Each table after a `<!-- table: docs/results/FILE.jsonl.gz ... -->` line is
-    `kvrag.eval.accuracy.weights_table` of those files; the README's Accuracy section shows one, and every
-    results file kept in docs/results is one that a table is computed from."""
-    from kvrag.eval.accuracy import weights_table
+    `kvrag.eval.accuracy.weights_table` of those files (`curve_table` after `<!-- curve: ... -->`); the
+    README's Accuracy section shows one, and every file kept in docs/results is one that a table is computed
+    from or an image the docs show."""
+    from kvrag.eval.accuracy import curve_table, weights_table
 
     readme = FENCE.sub("", README.read_text(encoding="utf-8"))
     section = readme.split("\n## Accuracy\n", 1)[1].split("\n## ", 1)[0]
     assert TABLE.search(section), "the README's Accuracy section shows no table computed from results files"
     shown = set()
     for path in [README, *DOCS]:
-        for match in TABLE.finditer(FENCE.sub("", path.read_text(encoding="utf-8"))):
-            files = [ROOT / name for name in match.group(1).split()]
-            assert all(f.is_file() and f.parent == RESULTS for f in files), (path.name, match.group(1))
-            assert match.group(2).strip() == weights_table(files), f"{path.name}: the table of {match.group(1)}"
+        text = FENCE.sub("", path.read_text(encoding="utf-8"))
+        for kind, names, table in TABLE.findall(text):
+            files = [ROOT / name for name in names.split()]
+            assert all(f.is_file() and f.parent == RESULTS for f in files), (path.name, names)
+            compute = weights_table if kind == "table" else curve_table
+            assert table.strip() == compute(files), f"{path.name}: the {kind} of {names}"
             shown.update(files)
+        shown.update((path.parent / image).resolve() for image in IMAGE.findall(text))
     kept = {f for f in RESULTS.iterdir() if f.name != "NOTICE.md"}
     assert kept <= shown, f"results no table is computed from: {sorted(f.name for f in kept - shown)}"
 

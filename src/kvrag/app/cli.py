@@ -392,11 +392,15 @@ def cmd_bench_accuracy(args):
         dataset = {"corpus": "heldout", "passages": args.passages, "files": heldout.digest(args.heldout)}
         about = f"questions on {args.heldout} x {args.passages} retrieved passages"
         stem = f"heldout-{args.passages}p"
-    paths = []
+
+    def own(given: str, name: str) -> Path:  # a file named on the command line, one per weight set
+        given = Path(given)
+        return given if len(engines) == 1 else given.with_name(f"{given.stem}-{name}{given.suffix}")
+
+    paths, curves = [], []
     for name, engine in engines.items():
         if args.results:
-            given = Path(args.results)
-            results = given if len(engines) == 1 else given.with_name(f"{given.stem}-{name}{given.suffix}")
+            results = own(args.results, name)
         else:
             results = _home(args) / "bench" / f"accuracy-{name}-{engine.fingerprint[:12]}-{stem}.jsonl"
         records = evaluate(engine, examples, methods, layouts=layouts, max_new_tokens=args.max_new_tokens,
@@ -408,13 +412,14 @@ def cmd_bench_accuracy(args):
         print(format_table(summarize(records)))
         if gaps := format_against_full(records):
             print(f"\n{gaps}")
-        if args.blend_ratios:
-            print(f"\nAccuracy against the share of passage tokens recomputed:\n{curve_table(results)}")
         print(f"\nanswers: {results}")
         if args.plot != "":
-            print(f"plot: {plot(records, args.plot or results.with_suffix('.png'))}")
+            print(f"plot: {plot(records, own(args.plot, name) if args.plot else results.with_suffix('.png'))}")
+        curves.append(results)
         if not across and {"full", "block", "blend"} <= set(methods):
             paths.append(results)
+    if args.blend_ratios:
+        print(f"\nAccuracy (%) against the share of passage tokens recomputed:\n{curve_table(curves)}")
     if paths:
         print("\nThe cost of block attention on the same weights (accuracy in %, paired 95% intervals):")
         print(weights_table(paths))

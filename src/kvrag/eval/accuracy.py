@@ -507,20 +507,22 @@ def adapter_effect(paths: Sequence[str | Path]) -> list[str]:
     return lines
 
 
-def curve_table(path: str | Path) -> str:
-    """One weight set's accuracy against the share of passage tokens recomputed: a row per method of a
-    results file (block is share 0, full 1, blend@R R), with its median TTFT and its difference from full
-    paired per question (pooled over layouts, each question once). TTFT is one user's only where the file
-    was answered one question at a time."""
-    settings, records = read_results(path)
-    lines = [f"| {WEIGHTS.get(settings.get('weights'), 'weights')}, {CORPORA[_corpus(settings)]} | share recomputed | "
-             "accuracy | − full | median TTFT ms |", "|---|---:|---:|---|---:|"]
-    for method in dict.fromkeys(r.method for r in records):
-        answers = [r for r in records if r.method == method]
-        at = AT_SHARE.fullmatch(method)
-        share = {"block": "0", "full": "1", "blend": f"{settings['blend']['recompute_ratio']:g}"}.get(
-            method, at.group(1) if at else "-")
-        gap = "" if method == "full" else points(*_clustered(records, method)[1:])
-        lines.append(f"| {method} | {share} | {100 * statistics.fmean(r.correct for r in answers):.1f} | {gap} | "
-                     f"{statistics.median(r.ttft for r in answers) * 1e3:.0f} |")
+def curve_table(paths: Sequence[str | Path]) -> str:
+    """Accuracy against the share of passage tokens recomputed, a row per method of each results file (one
+    weight set each; block is share 0, full 1, blend@R R): accuracy, the difference from full on the same
+    weights paired per question (pooled over layouts, each question once) and the median TTFT, which is one
+    user's only where the file was answered one question at a time."""
+    lines = ["| weights | corpus | method | share recomputed | accuracy | − full | median TTFT ms |",
+             "|---|---|---|---:|---:|---|---:|"]
+    for path in paths:
+        settings, records = read_results(path)
+        where = f"| {WEIGHTS.get(settings.get('weights'), 'model')} | {CORPORA[_corpus(settings)]} |"
+        for method in dict.fromkeys(r.method for r in records):
+            answers = [r for r in records if r.method == method]
+            at = AT_SHARE.fullmatch(method)
+            share = {"block": "0", "full": "1", "blend": f"{settings['blend']['recompute_ratio']:g}"}.get(
+                method, at.group(1) if at else "-")
+            gap = "" if method == "full" else points(*_clustered(records, method)[1:])
+            lines.append(f"{where} {method} | {share} | {100 * statistics.fmean(r.correct for r in answers):.1f} | "
+                         f"{gap} | {statistics.median(r.ttft for r in answers) * 1e3:.0f} |")
     return "\n".join(lines)
