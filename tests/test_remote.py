@@ -217,6 +217,7 @@ def test_the_url_is_checked(make_engine, tmp_path):
         make_engine(home=tmp_path, remote="http://127.0.0.1:6379")
 
 
+@pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning")  # a client thread that died
 def test_bench_remote_runs_its_three_parts(make_engine, tmp_path):
     from kvrag.eval import scaleout
 

@@ -191,6 +191,7 @@ def restart(a, b, server: RedisServer, requests, total: int = 200, clients: int 
     expected = {q: a.generate(q, top, max_new_tokens=8).token_ids for q, top in requests}
     done, errors, wrong, lock = [0], [], [0], threading.Lock()
     events = {total // 3: server.stop, 2 * total // 3: server.start}
+    ran = {n: threading.Event() for n in events}  # in order: a start never overtakes the stop still under way
 
     def client(c):
         while True:
@@ -200,7 +201,13 @@ def restart(a, b, server: RedisServer, requests, total: int = 200, clients: int 
                     return
                 done[0] += 1
             if n in events:
-                events[n]()
+                for m in events:
+                    if m < n:
+                        ran[m].wait()
+                try:
+                    events[n]()
+                finally:
+                    ran[n].set()
             question, top = requests[n % len(requests)]
             try:
                 if (a, b)[n % 2].generate(question, top, max_new_tokens=8).token_ids != expected[question]:
