@@ -34,8 +34,8 @@ TRAIN_DEFAULTS = {"steps": 170, "learning_rate": 5e-4, "accumulate": 4, "lora_r"
 TRAIN_TEACHERS = ("adapter", "published")
 """kvrag.train.finetune.TEACHERS: whose full-mode predictions `finetune --distill` pulls toward."""
 WEIGHT_SETS = {"published": "the published weights", "adapter": "the adapter"}
-HELDOUT = Path("examples/heldout")  # kvrag.eval.heldout.DEFAULT
 """The weight sets `bench accuracy --weights` asks in (kvrag.eval.accuracy.WEIGHTS), each in every mode."""
+HELDOUT = Path("examples/heldout")  # kvrag.eval.heldout.DEFAULT, without importing the harness to parse
 
 
 def _engine(args, **options):

@@ -149,8 +149,9 @@ def runner(method: str) -> Callable | None:
     return _mode("blend", ratio=float(at.group(1))) if at else None
 
 
-def answers_from_one_prompt(method: str) -> bool:
-    return method in MODE_METHODS or AT_SHARE.fullmatch(method) is not None
+def _mode_of(method: str) -> str:
+    """The method a blend@R is a share of ("blend"); any other method is its own."""
+    return "blend" if AT_SHARE.fullmatch(method) else method
 
 
 def check_methods(methods: Sequence[str], layouts: Sequence[str] = (OWN,)) -> None:
@@ -159,7 +160,7 @@ def check_methods(methods: Sequence[str], layouts: Sequence[str] = (OWN,)) -> No
         raise ValueError(f"unknown method(s) {unknown or methods}; choose from {', '.join(RUNNERS)}, or blend@R "
                          "for blend recomputing a share R between 0 and 1")
     check_layouts(layouts)
-    chains = [m for m in methods if not answers_from_one_prompt(m)]
+    chains = [m for m in methods if _mode_of(m) not in MODE_METHODS]
     if chains and any(layout != OWN for layout in layouts):
         raise ValueError(f"{', '.join(chains)} write their own prompts, so they answer in kvrag's layout only; "
                          f"with other prompt layouts choose from {', '.join(MODE_METHODS)}")
@@ -230,7 +231,7 @@ def evaluate(
     settings = _settings(engine, max_new_tokens, dataset, weights)
     path = Path(results) if results else None
     done = _load(path, settings) if path else {}
-    if any(m in REUSING or AT_SHARE.fullmatch(m) for m in methods):  # the passages' KV first, as an app indexes them
+    if {_mode_of(m) for m in methods} & set(REUSING):  # the passages' KV ahead of the questions, as an app indexes them
         engine.index(sorted({p for e in examples for p in e.passages}), progress=progress)
     if examples:  # warm-up: buffers and allocator, outside the timings
         engine.generate(examples[0].question, list(examples[0].passages), mode="block", max_new_tokens=2)
