@@ -250,10 +250,10 @@ def test_bench_accuracy_on_squad_questions_on_the_default_model(kvrag_home, tmp_
 @pytest.mark.e2e
 def test_bench_accuracy_compares_modes_on_the_same_weights_on_the_default_model(kvrag_home, tmp_path, capsys):
     """By default both weight sets answer, each in every mode: a row each, and the adapter's own effect apart;
-    --blend-ratios adds blend at those shares and the weight sets' curve."""
+    --blend-ratios adds blend at those shares and the weight sets' curve; auto shows the share it chose."""
     results = tmp_path / "heldout.jsonl"
     argv = ["bench", "accuracy", "--heldout", "--limit", "2", "--passages", "3", "--max-new-tokens", "6",
-            "--methods", "full,block,blend", "--blend-ratios", "0.5", "--results", str(results),
+            "--methods", "full,block,blend,auto", "--blend-ratios", "0.5", "--results", str(results),
             "--plot", str(tmp_path / "curve.png")]
     assert main(argv) == 0
     out = capsys.readouterr().out
@@ -266,6 +266,11 @@ def test_bench_accuracy_compares_modes_on_the_same_weights_on_the_default_model(
     assert weights_table(paths) in out and "| published weights | examples/heldout | 2 |" in out
     assert "the adapter's full mode − the published weights' full mode" in out and "across weights" in out
     assert curve_table(paths) in out and curve_table(paths).count("| examples/heldout | blend@0.5 | 0.5 |") == 2
+    assert "| auto − full |" in weights_table(paths)
+    for path in paths:  # auto's share is what its requests chose, within BlendConfig's bounds
+        shares = [r.recomputed for r in read_results(path)[1] if r.method == "auto"]
+        assert len(shares) == 2 and all(0 < share <= 0.5 + 1e-9 for share in shares)
+        assert f"| auto | {sum(shares) / 2:.2f} (mean) |" in curve_table([path])
     for name in ("published", "adapter"):  # a plot per weight set, named as the results are
         assert (tmp_path / f"curve-{name}.png").read_bytes().startswith(PNG)
 

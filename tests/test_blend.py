@@ -48,12 +48,13 @@ def test_blend_endpoints_are_full_and_block(make_engine, tok, arch, device):
 
 
 @torch.inference_mode()
-def recomputed(engine, prompt, config):
-    """The passage positions blend mode recomputes for `prompt`."""
+def recomputed(engine, prompt, config, auto=False):
+    """The passage positions blend mode (or auto) recomputes for `prompt`."""
     ws = engine.pool.acquire(len(prompt) + 1)
     try:
         position, _, _ = engine.blocks.assemble(prompt, [engine.store.key("none", b) for b in prompt.blocks], ws)
-        return prefill(engine.model, ws, prompt.ids(), len(prompt.prefix), position, prompt.block_starts(), config)[1]
+        return prefill(engine.model, ws, prompt.ids(), len(prompt.prefix), position, prompt.block_starts(), config,
+                       auto=auto)[1]
     finally:
         engine.pool.release(ws)
 
@@ -79,16 +80,17 @@ def test_selection_takes_the_tokens_whose_kv_deviates_most_in_context(deep_engin
     expected = (distance.topk(round(0.3 * len(distance))).indices + first).sort().values
     got = recomputed(engine, prompt, BlendConfig(recompute_ratio=0.3, check_layers=(2,), deviation=deviation, select="deviation"))
     assert got.tolist() == expected.tolist()
+    # mode "auto": as few of them as hold 60% of the deviation
+    ordered = distance.sort(descending=True)
+    needed = int((ordered.values.cumsum(0) < 0.6 * distance.sum()).sum()) + 1
+    config = BlendConfig(check_layers=(2,), deviation=deviation, select="deviation", coverage=0.6, least=0.0, most=1.0)
+    assert recomputed(engine, prompt, config, auto=True).tolist() == (ordered.indices[:needed] + first).sort().values.tolist()
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "llama3-scaled"])
-def test_attention_selection_takes_what_the_question_reads_most(make_engine, tok, arch):
-    """select="attention": the chosen tokens are the top share of the attention the question pays each
-    passage token on the check layer (1) in block attention, as the model's own eager attention
-    computes it over the whole prompt with the block mask (renormalized over the context, summed over
-    the question's tokens and the heads)."""
-    engine, layer = make_engine(arch), 1
-    prompt = random_prompt(len(tok))
+def question_mass(engine, prompt, layer=1):
+    """The attention the question pays each passage token on `layer` in block attention, as the model's
+    own eager attention computes it over the whole prompt with the block mask (renormalized over the
+    context, summed over the question's tokens and the heads)."""
     lengths = [len(prompt.prefix), *map(len, prompt.blocks), len(prompt.question)]
     context, first = len(prompt) - len(prompt.question), len(prompt.prefix)
     reference = copy.deepcopy(engine.model)  # the engine's own attention kernel returns no weights
@@ -97,12 +99,70 @@ def test_attention_selection_takes_what_the_question_reads_most(make_engine, tok
         weights = reference(torch.tensor([prompt.ids()]), attention_mask=block_mask(lengths),
                                position_ids=torch.arange(len(prompt))[None], output_attentions=True).attentions[layer]
     read = weights[0, :, context:, :context]
-    mass = (read / read.sum(-1, keepdim=True)).sum(dim=(0, 1))[first:]
+    return (read / read.sum(-1, keepdim=True)).sum(dim=(0, 1))[first:]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "llama3-scaled"])
+def test_attention_selection_takes_what_the_question_reads_most(make_engine, tok, arch):
+    """select="attention": the chosen tokens are the top share of the attention the question pays each
+    passage token on the check layer (1)."""
+    engine, layer = make_engine(arch), 1
+    prompt = random_prompt(len(tok))
+    first = len(prompt.prefix)
+    mass = question_mass(engine, prompt, layer)
     expected = (mass.topk(round(0.3 * len(mass))).indices + first).sort().values
     config = BlendConfig(recompute_ratio=0.3, check_layers=(layer,), select="attention")
     got = recomputed(engine, prompt, config)
     assert got.tolist() == expected.tolist()
     assert got.tolist() != recomputed(engine, prompt, BlendConfig(recompute_ratio=0.3, check_layers=(layer,), select="deviation")).tolist()
+
+
+@pytest.mark.parametrize("coverage", [0.3, 0.6, 0.9])
+def test_auto_recomputes_the_fewest_tokens_holding_the_coverage(make_engine, tok, coverage):
+    """mode "auto": the tokens the question reads most, as few as hold `coverage` of its attention on the
+    passages; the share follows the request, within [least, most]."""
+    engine = make_engine("llama")
+    prompt = random_prompt(len(tok))
+    first = len(prompt.prefix)
+    mass = question_mass(engine, prompt)
+    ordered = mass.sort(descending=True)
+    needed = int((ordered.values.cumsum(0) < coverage * mass.sum()).sum()) + 1
+    got = recomputed(engine, prompt, BlendConfig(select="attention", coverage=coverage, least=0.0, most=1.0), auto=True)
+    assert got.tolist() == (ordered.indices[:needed] + first).sort().values.tolist()
+    assert mass[got - first].sum() >= coverage * mass.sum() * (1 - 1e-5)
+    bounded = recomputed(engine, prompt, BlendConfig(select="attention", coverage=coverage, least=0.0, most=0.1), auto=True)
+    assert len(bounded) == min(needed, round(0.1 * len(mass)))
+
+
+def test_auto_endpoints_are_full_and_block(make_engine, tok):
+    engine = make_engine("qwen2")
+    prompt = random_prompt(len(tok))
+    full, block = question_logits(engine, prompt, "full"), question_logits(engine, prompt, "block")
+
+    def auto(**settings):
+        state = engine.prefill(prompt, "auto", all_logits=True, blend=BlendConfig(**settings))
+        try:
+            return state.logits.clone()
+        finally:
+            engine.release(state)
+
+    tolerance = TOLERANCE[engine.model.dtype]
+    torch.testing.assert_close(auto(least=1.0, most=1.0), full, rtol=tolerance, atol=tolerance)
+    torch.testing.assert_close(auto(least=0.0, most=0.0), block, rtol=tolerance, atol=tolerance)
+
+
+def test_auto_measures_by_attention_or_deviation(make_engine, tok):
+    engine = make_engine("llama")
+    with pytest.raises(ValueError, match="auto"):
+        recomputed(engine, random_prompt(len(tok)), BlendConfig(select="leading"), auto=True)
+
+
+def test_leading_selection_takes_each_blocks_first_tokens(make_engine, tok):
+    engine = make_engine("llama")
+    prompt = random_prompt(len(tok))
+    starts, lengths = prompt.block_starts(), list(map(len, prompt.blocks))
+    got = recomputed(engine, prompt, BlendConfig(recompute_ratio=0.4, select="leading")).tolist()
+    assert got == [s + i for s, n in zip(starts, lengths) for i in range(round(0.4 * n))]
 
 
 def test_gradual_filtering_and_block_sinks(deep_engine, tok):
@@ -150,6 +210,8 @@ def test_blend_generation_reports_what_it_recomputed(make_engine, tok):
         (dict(widen=0.5), "widen"),
         (dict(sink_tokens=-1), "sink_tokens"),
         (dict(select="queries"), "select"),
+        (dict(coverage=0.0), "coverage"),
+        (dict(least=0.6, most=0.5), "least"),
     ],
 )
 def test_bad_blend_settings_are_refused(settings, match):

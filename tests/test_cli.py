@@ -48,7 +48,7 @@ def test_every_option_has_help_text_and_shows_its_default():
 @pytest.mark.parametrize(
     "argv, expected",
     [
-        (["ask"], ["--mode", "composite keeps encode positions (default: block)", "--top-k TOP_K",
+        (["ask"], ["--mode", "composite keeps encode positions (default: the engine's default mode,", "--top-k TOP_K",
                    "passages retrieved for the question (default: 4)", "longest answer in tokens (default: 128)",
                    "--block-context {none,prefix}", "(default: none)"]),
         (["index"], ["longest passage in tokens (default: 200)", "--block-context {none,prefix}", "(default: none)"]),
@@ -271,8 +271,8 @@ def test_index_and_ask_keep_the_passages_in_a_chroma_server(saved_model_and_adap
     # another machine's home, the server named by $KVRAG_CHROMA: the passages are found there
     monkeypatch.setenv("KVRAG_CHROMA", chroma)
     assert main([*model, "--home", str(tmp_path / "asker"), "ask", "Who built the lighthouse?", "--top-k", "1",
-                 "--max-new-tokens", "2"]) == 0
-    assert "[block] TTFT" in capsys.readouterr().err
+                 "--max-new-tokens", "2", "--mode", "auto"]) == 0
+    assert "[auto] TTFT" in capsys.readouterr().err
     assert not (tmp_path / "asker" / "chroma").exists()
 
 

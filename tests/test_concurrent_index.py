@@ -155,7 +155,7 @@ def test_a_garbage_chroma_is_moved_aside_and_the_cli_collection_rebuilt(saved_mo
     assert _kvrag(model_dir, home, "index", str(tmp_path / "docs")).returncode == 0
 
     _damage(home)
-    asked = _kvrag(model_dir, home, "ask", question, "--top-k", "2", "--max-new-tokens", "2")
+    asked = _kvrag(model_dir, home, "ask", question, "--top-k", "2", "--max-new-tokens", "2", "--mode", "block")
     assert asked.returncode == 0 and "Traceback" not in asked.stderr, asked.stderr[-3000:]
     [line] = _damage_lines(asked.stderr)
     assert f"{home / 'chroma' / 'chroma.sqlite3'} is unusable" in line and "chroma.damaged-" in line, line

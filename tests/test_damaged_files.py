@@ -400,7 +400,7 @@ def test_kvrag_ask_on_a_full_disk_answers_as_before_and_says_so_once(saved_model
     model_dir, _ = saved_model_and_adapter
     home, report = tmp_path / "home", tmp_path / "report"
     report.mkdir()
-    ask = f'"$KVRAG" --device cpu --model {model_dir} ask "{QUESTION}" --top-k 3 --max-new-tokens 6'
+    ask = f'"$KVRAG" --device cpu --model {model_dir} ask "{QUESTION}" --top-k 3 --max-new-tokens 6 --mode block'
     script = f"""
         export KVRAG_HOME={home}
         "$KVRAG" --device cpu --model {model_dir} index {notes} > /dev/null 2> {report}/err0

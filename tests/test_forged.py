@@ -180,7 +180,7 @@ def kvrag(home: Path, *args, env=None) -> subprocess.CompletedProcess:
 
 def ask(home: Path, model_dir: Path, env=None) -> subprocess.CompletedProcess:
     done = kvrag(home, "ask", QUESTION, "--model", str(model_dir), "--top-k", str(len(PASSAGES)),
-                 "--max-new-tokens", "8", env=env)
+                 "--max-new-tokens", "8", "--mode", "block", env=env)
     assert done.returncode == 0, done.stderr
     assert "Traceback" not in done.stderr
     return done

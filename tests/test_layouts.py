@@ -54,18 +54,15 @@ def test_every_layout_answers_every_question_paired_with_full_in_the_same_layout
     assert table[0].startswith("| prompt | method | n |") and table[2].startswith(f"| {OWN} | full | 2 |")
 
 
-def test_a_rerun_resumes_by_layout_and_reads_files_written_before_layouts_and_select(engine, short, tmp_path, monkeypatch):
+def test_a_rerun_resumes_by_layout_and_reads_files_written_before_layouts_select_and_auto(engine, short, tmp_path, monkeypatch):
     examples = short
     path = tmp_path / "r.jsonl"
     evaluate(engine, examples[:1], ["block"], max_new_tokens=2, results=path, progress=False)
     header, line = path.read_text().splitlines()
     old, settings = json.loads(line), json.loads(header)
     del old["layout"]  # as written before there were layouts
-    del settings["settings"]["blend"]["select"]  # and before blend mode chose by attention: it chose by deviation
-    path.write_text(json.dumps(settings) + "\n" + json.dumps(old) + "\n")
-    with pytest.raises(KVRagError, match="differs in: blend"):
-        evaluate(engine, examples[:1], ["block"], max_new_tokens=2, results=path, progress=False)
-    settings["settings"]["blend"]["select"] = "attention"
+    for name in ("select", "coverage", "least", "most"):  # and before blend could choose (by deviation then) or auto
+        del settings["settings"]["blend"][name]
     path.write_text(json.dumps(settings) + "\n" + json.dumps(old) + "\n")
     ran = []
     real = RUNNERS["block"]
@@ -74,6 +71,10 @@ def test_a_rerun_resumes_by_layout_and_reads_files_written_before_layouts_and_se
                        progress=False)
     assert ran == [("numbered",)]  # kvrag's own answer was read back
     assert [r.layout for r in records] == [OWN, "numbered"]
+    settings["settings"]["blend"]["select"] = "attention"  # another blend than the engine's
+    path.write_text(json.dumps(settings) + "\n" + json.dumps(old) + "\n")
+    with pytest.raises(KVRagError, match="differs in: blend"):
+        evaluate(engine, examples[:1], ["block"], max_new_tokens=2, results=path, progress=False)
 
 
 def test_chains_answer_only_in_kvrags_layout_and_unknown_layouts_are_named():

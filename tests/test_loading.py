@@ -68,7 +68,7 @@ def test_dtype_is_part_of_the_fingerprint_and_a_half_model_answers(saved_model_a
     assert half.model.dtype == torch.bfloat16 and half.pool.dtype == torch.bfloat16
     assert half.fingerprint != full.fingerprint
     half.index([PASSAGE], progress=False)
-    result = half.generate("Who built the lighthouse?", [PASSAGE], max_new_tokens=4)
+    result = half.generate("Who built the lighthouse?", [PASSAGE], mode="block", max_new_tokens=4)
     assert result.reused_tokens > 0 and result.finish_reason in ("stop", "length")
 
 

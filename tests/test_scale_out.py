@@ -31,7 +31,7 @@ def replicas(saved_model_and_adapter, tmp_path, monkeypatch):
         servers = []
         try:
             for name in ("a", "b"):
-                servers.append(Server(tmp_path / name, max_batch=16, extra=options))
+                servers.append(Server(tmp_path / name, max_batch=16, extra=options, mode="block"))
             yield redis_server, [server.url for server in servers]
         finally:
             for server in servers:

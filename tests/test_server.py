@@ -111,6 +111,7 @@ def test_the_default_model_name_is_the_model_directory(engine):
         ({"logprobs": True}, 400, "unsupported_parameter", "logprobs"),
         ({"kvrag": {"mode": "fast"}}, 400, None, "kvrag.mode"),
         ({"kvrag": {"blend_ratio": 2}}, 400, None, "kvrag.blend_ratio"),
+        ({"kvrag": {"mode": "auto", "coverage": 0}}, 400, None, "kvrag.coverage"),
         ({"kvrag": {"speed": 1}}, 400, None, "kvrag.speed"),
         ({"stream": True, "n": 3}, 400, None, "n"),
     ],
@@ -219,6 +220,11 @@ def test_kvrag_mode_and_blend_ratio(server, engine):
         blend = chat(server, kvrag={"mode": "blend", "blend_ratio": ratio}).json()
         assert blend["kvrag"]["mode"] == "blend" and blend["choices"][0]["message"]["content"] == expected.text
         assert blend["kvrag"]["prefilled_tokens"] == expected.prefilled_tokens  # the share recomputed: the ratio's
+    for coverage in (0.3, 1.0):
+        expected = reference(engine, mode="auto", blend=BlendConfig(coverage=coverage))
+        auto = chat(server, kvrag={"mode": "auto", "coverage": coverage}).json()
+        assert auto["kvrag"]["mode"] == "auto" and auto["choices"][0]["message"]["content"] == expected.text
+        assert auto["kvrag"]["prefilled_tokens"] == expected.prefilled_tokens
 
 
 def test_the_default_mode_and_max_tokens(engine):
@@ -228,6 +234,12 @@ def test_the_default_mode_and_max_tokens(engine):
         assert completion["usage"]["completion_tokens"] <= DEFAULT_MAX_TOKENS
     with pytest.raises(ValueError):
         create_app(engine, default_mode="fast")
+    engine.default_mode = "auto"  # a request naming no mode, served without --mode: the engine's default
+    try:
+        with running_server(create_app(engine)) as url:
+            assert chat(httpx.Client(base_url=url, timeout=60)).json()["kvrag"]["mode"] == "auto"
+    finally:
+        engine.default_mode = "block"
 
 
 @pytest.mark.parametrize("include_usage", [False, True])

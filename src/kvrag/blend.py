@@ -8,9 +8,11 @@ the difference, and that a token's deviation on an early layer predicts it on la
 One pass over the layers, starting from block mode's assembled cache. Every token is computed on
 layer 0, whose KV depends on the token alone (so its fresh KV is the cached KV, up to rounding) and
 whose output every later choice needs. On each check layer only a share of the passage tokens still
-being computed goes on: those the question attends to most over the cached KV (the default,
-`select="attention"`), or those whose fresh K or V deviates most from the cached ones (CacheBlend's
-choice, `select="deviation"`); the question always does. A computed token writes its fresh K/V over
+being computed goes on: those whose fresh K or V deviates most from the cached ones (CacheBlend's
+choice and the default, `select="deviation"`), those the question attends to most over the cached KV
+(`select="attention"`, as query-centric methods choose), or each passage's first tokens
+(`select="leading"`); the question always does. Mode "auto" takes the fewest tokens that hold a share
+(`coverage`) of the measure, so the share follows the request. A computed token writes its fresh K/V over
 the cached ones (the cache layers' `slots`) and attends over the blended cache with an explicit
 causal mask. On the last layer the passage tokens only write their K/V: nothing reads their output.
 Recompute ratio 1 recomputes every token, which is `full`; ratio 0 only the question, which is
@@ -32,7 +34,7 @@ class BlendConfig:
     """How much of the passages blend mode recomputes, and how it chooses.
 
     recompute_ratio  share of passage tokens recomputed (the question always is): 0 is block mode,
-                     1 is full prefill; CacheBlend's default 0.15.
+                     1 is full prefill; CacheBlend's default 0.15. Mode "auto" chooses its own.
     check_layers     decoder layers on which deviation is measured; layer 0's KV depends only on
                      the token itself, so the first layer that can deviate is 1 (the default).
     deviation        compare "keys" (measured closer to full here, see docs/modes.md) or "values"
@@ -41,9 +43,14 @@ class BlendConfig:
                      later ones narrow it linearly to `recompute_ratio` (CacheBlend's gradual filtering).
     sink_tokens      the first tokens of every block are recomputed as well (each block's own
                      attention sink, after EPIC), on top of the ratio.
-    select           "deviation" (CacheBlend: the tokens whose K or V changes most in context) or
+    select           "deviation" (CacheBlend: the tokens whose K or V changes most in context),
                      "attention" (the tokens the question attends to most over the cached KV, on the
-                     check layer: those whose KV the answer reads).
+                     check layer) or "leading" (the first tokens of every passage, each the same share:
+                     whole leading segments instead of scattered tokens). docs/modes.md has the
+                     measurements that made deviation the default.
+    coverage         mode "auto": recompute the fewest passage tokens that hold `coverage` of the total
+                     deviation (or of the question's attention) on the first check layer, between `least`
+                     and `most` of the passage tokens; the share then follows each request.
     """
 
     recompute_ratio: float = 0.15
@@ -51,7 +58,10 @@ class BlendConfig:
     deviation: Literal["keys", "values"] = "keys"
     widen: float = 2.0
     sink_tokens: int = 0
-    select: Literal["deviation", "attention"] = "attention"
+    select: Literal["attention", "deviation", "leading"] = "deviation"
+    coverage: float = 0.9
+    least: float = 0.05
+    most: float = 0.5
 
     def __post_init__(self):
         if not 0.0 <= self.recompute_ratio <= 1.0:
@@ -66,8 +76,12 @@ class BlendConfig:
             raise ValueError(f"widen must be at least 1, got {self.widen}")
         if self.sink_tokens < 0:
             raise ValueError(f"sink_tokens must be >= 0, got {self.sink_tokens}")
-        if self.select not in ("deviation", "attention"):
-            raise ValueError(f"select must be 'deviation' or 'attention', got {self.select!r}")
+        if self.select not in ("attention", "deviation", "leading"):
+            raise ValueError(f"select must be 'attention', 'deviation' or 'leading', got {self.select!r}")
+        if not 0.0 < self.coverage <= 1.0:
+            raise ValueError(f"coverage must be within (0, 1], got {self.coverage}")
+        if not 0.0 <= self.least <= self.most <= 1.0:
+            raise ValueError(f"least and most must satisfy 0 <= least <= most <= 1, got {self.least}, {self.most}")
 
     def compared(self, keys, values):
         """Whichever of the two `deviation` measures."""
@@ -106,14 +120,14 @@ def question_attention(family, layer, hidden: torch.Tensor, cos: torch.Tensor, s
 
 @torch.inference_mode()
 def prefill(model, workspace, ids: list[int], first: int, context: int, block_starts: list[int], config: BlendConfig,
-            keep: int = 1):
+            keep: int = 1, auto: bool = False):
     """Blend the question `ids[context:]` into the cache: `workspace` holds the block-mode KV of
     `ids[:context]` (the prefix, then blocks beginning at `block_starts`, passages from `first`).
+    `auto`: the share recomputed is the least that holds `config.coverage` of the measure `config.select` names.
     Returns the logits of the last `keep` tokens and the passage positions recomputed throughout."""
     family, decoder = families.family(model.config), model.get_decoder()
     device, n = workspace.keys.device, len(ids)
-    candidates = context - first
-    sinks = sink_positions(block_starts, config.sink_tokens, context, device)
+    selection = Selection(config, first, context, block_starts, device, auto)
     active = torch.arange(n, device=device)
     hidden = decoder.embed_tokens(torch.tensor(ids, device=device))[None]
     cache = workspace.cache(n)
@@ -122,8 +136,7 @@ def prefill(model, workspace, ids: list[int], first: int, context: int, block_st
     for index, layer in enumerate(decoder.layers):
         cos, sin = decoder.rotary_emb(hidden, active[None])
         if index in config.check_layers:
-            stay = _survivors(family, layer, index, hidden, cos, sin, active, workspace, first, context, sinks,
-                              candidates, config)
+            stay = selection.survivors(family, layer, index, hidden, cos, sin, active, workspace)
             active, hidden, cos, sin = active[stay], hidden[:, stay], cos[:, stay], sin[:, stay]
             mask = attention_mask(active, n, hidden.dtype)
         if index == last:  # the passage tokens' output is never read: write their KV and drop them
@@ -149,29 +162,69 @@ def prefill(model, workspace, ids: list[int], first: int, context: int, block_st
     return logits[0], recomputed
 
 
-def _survivors(family, layer, index, hidden, cos, sin, active, workspace, first, context, sinks, candidates,
-               config) -> torch.Tensor:
-    """Which active tokens go on past check layer `index`: the question, the block sinks, and the
-    passage tokens whose fresh K or V deviates most from the cached ones (or that the question
-    attends to most)."""
-    passage, question = (active >= first) & (active < context), active >= context
-    if not passage.any():
-        return question | torch.isin(active, sinks)
-    kept = config.kept(config.check_layers.index(index), candidates)
-    if config.select == "attention":
-        mass = question_attention(family, layer, hidden[:, question], cos[:, question], sin[:, question],
-                                  workspace.keys[index][:, :, :context])
-        chosen = active[passage][mass[active[passage]].topk(min(kept, int(passage.sum()))).indices]
-    else:
-        fresh = config.compared(*fresh_kv(family, layer, hidden[:, passage], cos[:, passage], sin[:, passage]))
-        cached = config.compared(workspace.keys, workspace.values)[index][:, :, active[passage]]
-        chosen = active[passage][most_deviating(fresh, cached, kept)]
-    return question | torch.isin(active, chosen) | torch.isin(active, sinks)
+class Selection:
+    """Which passage tokens go on past each check layer: the question always does, and the block sinks;
+    of the passage tokens, those `config.select` names, as many as the share (fixed, or `auto`'s)."""
+
+    def __init__(self, config: BlendConfig, first: int, context: int, block_starts: list[int], device, auto: bool):
+        self.config, self.first, self.context, self.auto = config, first, context, auto
+        self.starts = block_starts
+        self.sinks = sink_positions(block_starts, config.sink_tokens, context, device)
+        self.share = None  # auto's, once the first check layer has measured it
+        if auto and config.select == "leading":
+            raise ValueError("mode auto measures the tokens by select='deviation' or 'attention', not 'leading'")
+
+    def survivors(self, family, layer, index, hidden, cos, sin, active, workspace) -> torch.Tensor:
+        config = self.config
+        passage, question = (active >= self.first) & (active < self.context), active >= self.context
+        if not passage.any():
+            return question | torch.isin(active, self.sinks)
+        candidates = self.context - self.first
+        tokens = active[passage]
+        if config.select == "attention":
+            score = question_attention(family, layer, hidden[:, question], cos[:, question], sin[:, question],
+                                       workspace.keys[index][:, :, :self.context])[tokens]
+        elif config.select == "deviation":
+            fresh = config.compared(*fresh_kv(family, layer, hidden[:, passage], cos[:, passage], sin[:, passage]))
+            cached = config.compared(workspace.keys, workspace.values)[index][:, :, tokens]
+            score = deviation(fresh, cached)
+        if self.auto and self.share is None:
+            self.share = covering_share(score, config.coverage, config.least, config.most, candidates)
+        share = self.share if self.auto else config.kept(config.check_layers.index(index), candidates) / candidates
+        kept = min(len(tokens), round(share * candidates))
+        if config.select == "leading":
+            chosen = leading(tokens, self.starts, self.context, kept / len(tokens))
+        else:
+            chosen = tokens[score.topk(kept).indices]
+        return question | torch.isin(active, chosen) | torch.isin(active, self.sinks)
+
+
+def covering_share(mass: torch.Tensor, coverage: float, least: float, most: float, candidates: int) -> float:
+    """The share of the `candidates` passage tokens that the fewest tokens holding `coverage` of `mass`
+    (the question's attention on each) make, within [least, most]."""
+    ordered = mass.sort(descending=True).values.cumsum(0)
+    needed = int((ordered < coverage * ordered[-1]).sum()) + 1
+    return min(max(needed / candidates, least), most)
+
+
+def leading(tokens: torch.Tensor, starts: list[int], context: int, share: float) -> torch.Tensor:
+    """Of `tokens` (passage positions), the first `share` of each block's: leading segments."""
+    ends = [*starts[1:], context]
+    chosen = []
+    for start, end in zip(starts, ends):
+        inside = tokens[(tokens >= start) & (tokens < end)]
+        chosen.append(inside[: round(share * len(inside))])
+    return torch.cat(chosen) if chosen else tokens[:0]
+
+
+def deviation(fresh: torch.Tensor, cached: torch.Tensor) -> torch.Tensor:
+    """How far each token's fresh K or V [1, kv_heads, n, head_dim] lies from its cached one (squared)."""
+    return (fresh - cached.to(fresh.dtype)).square().sum(dim=(0, 1, 3))
 
 
 def most_deviating(fresh: torch.Tensor, cached: torch.Tensor, kept: int) -> torch.Tensor:
-    """Indices of the `kept` tokens whose fresh K or V [1, kv_heads, n, head_dim] lie farthest from the cached."""
-    distance = (fresh - cached.to(fresh.dtype)).square().sum(dim=(0, 1, 3))
+    """Indices of the `kept` tokens whose fresh K or V lie farthest from the cached."""
+    distance = deviation(fresh, cached)
     return distance.topk(min(kept, len(distance))).indices
 
 

@@ -34,6 +34,10 @@ from .store import BlockShape, KVStore, default_storage_dtype, parse_size
 from .workspace import WorkspacePool
 
 ADAPTER_SCOPES = ("block", "all")
+TUNED_DEFAULT_MODE = "block"
+"""The default mode with a block-tuned adapter (the default model's), while docs/accuracy.md's rule is measured on it."""
+UNTUNED_DEFAULT_MODE = "full"
+"""The default mode with published weights: no reusing mode kept full's accuracy on them (docs/accuracy.md)."""
 BLOCK_CONTEXTS = ("none", "prefix")
 _BLOCK_ID = re.compile(r"^kv_([0-9a-f]{32})$")
 _SHARED: dict = {}
@@ -47,7 +51,7 @@ class KVEngine:
                  fingerprint: str | None = None, causal_fingerprint: str | None = None,
                  blend: BlendConfig | None = None, max_batch: int = 16, max_queue: int = 256,
                  remote: "str | Remote | None" = None, secret: str | bytes | None = None,
-                 disk_budget: int | str | None = None):
+                 disk_budget: int | str | None = None, default_mode: str = "block"):
         """`causal_model`: other weights for the causal modes (full, prefix), say the published ones when
         `model` carries a block-tuned adapter (default: `model` in every mode). The engine runs on the
         model's device. `storage_dtype`: the stored KV's (default: the model's half dtype, else float16).
@@ -61,8 +65,12 @@ class KVEngine:
         that stored KV values carry, shared by every replica (default: $KVRAG_SECRET_FILE's content or
         $KVRAG_SECRET; required with a remote tier, see `remote.shared_secret`). `disk_budget`: bytes (or
         "20G", "500M") of KV files kept under the home's kv/ directory, least recently used evicted
-        (default: $KVRAG_DISK_BUDGET, else whatever keeps a tenth of the disk free)."""
+        (default: $KVRAG_DISK_BUDGET, else whatever keeps a tenth of the disk free). `default_mode`: the mode
+        of requests that name none (docs/accuracy.md says which mode holds full's answers on which weights)."""
         families.check_supported(model.config)
+        if default_mode not in modes.MODES:
+            raise ValueError(f"default_mode must be one of {modes.MODES}, got {default_mode!r}")
+        self.default_mode = default_mode
         if block_context not in BLOCK_CONTEXTS:
             raise ValueError(f"block_context must be one of {BLOCK_CONTEXTS}, got {block_context!r}")
         self.model, self.tokenizer = loading.prepare(model), tokenizer
@@ -121,6 +129,9 @@ class KVEngine:
         weights; the fingerprint covers the merged weights, so KV made with and without it never mix.
         "auto" (the default) is the block-tuned adapter shipped for the default model, and nothing for
         any other model; None loads the weights as published.
+        `default_mode` (one of kwargs): the mode of requests that name none; by default the mode that
+        docs/accuracy.md found to keep full's answers on such weights: `TUNED_DEFAULT_MODE` with a block-tuned
+        adapter, `UNTUNED_DEFAULT_MODE` without.
         `adapter_scope`: "all" (the default) uses the adapter in every mode, so that choosing a mode changes
         speed and the accuracy cost docs/accuracy.md measures, never the model, and one copy of the weights
         serves. "block" uses it only in the modes with block attention (block, composite, blend), what it
@@ -137,6 +148,7 @@ class KVEngine:
 
         if adapter == "auto":
             adapter = loading.DEFAULT_ADAPTER if model is None else None
+        kwargs.setdefault("default_mode", UNTUNED_DEFAULT_MODE if adapter is None else TUNED_DEFAULT_MODE)
         if adapter is None:
             return cls(lm, tokenizer, fingerprint=fingerprint(lm), **kwargs)
         if adapter_scope == "all":
@@ -296,7 +308,7 @@ class KVEngine:
         """Put the prompt's KV into a workspace cache and compute the question tokens' logits.
 
         The caller owns `result.workspace` and must hand it back with `engine.release(result)`.
-        `blend` overrides the engine's blend settings for mode "blend". `question=False`, in the modes of
+        `blend` overrides the engine's settings for modes "blend" and "auto". `question=False`, in the modes of
         `modes.QUESTION_LEFT`, leaves the question out: its logits are None and the caller prefills it
         at `next_position`.
         """
@@ -334,9 +346,10 @@ class KVEngine:
         `cancel()` stops it. A bad prompt (empty, unknown block, over the context window) and a full queue
         (`QueueFullError`) raise here; errors while it runs surface as the stream is read.
 
-        Options: mode, max_new_tokens, temperature, top_p, top_k, seed, stop, max_time (seconds from the
-        call: a request still queued then fails with `RequestTimeoutError`, one generating ends with
-        finish_reason "timeout"), and blend (a `BlendConfig` for mode "blend"; default: the engine's).
+        Options: mode (default: the engine's `default_mode`), max_new_tokens, temperature, top_p, top_k, seed,
+        stop, max_time (seconds from the call: a request still queued then fails with `RequestTimeoutError`,
+        one generating ends with finish_reason "timeout"), and blend (a `BlendConfig` for modes "blend" and
+        "auto"; default: the engine's).
         """
         return self._stream(lambda: self.build_prompt(question, list(blocks)), **kwargs)
 
@@ -350,12 +363,13 @@ class KVEngine:
         for `stream`; see `prompt_from_text` for how the text is cut."""
         return self._stream(lambda: self.prompt_from_text(text, spans), **kwargs)
 
-    def _stream(self, build, *, mode: str = "block", max_new_tokens: int = 128, temperature: float = 0.0,
+    def _stream(self, build, *, mode: str | None = None, max_new_tokens: int = 128, temperature: float = 0.0,
                 top_p: float = 1.0, top_k: int = 0, seed: int | None = None, stop: list[str] | str | None = None,
                 max_time: float | None = None, blend: BlendConfig | None = None) -> GenerationStream:
         """`build()` makes (prompt, keys) here, on the caller's thread and inside TTFT: tokenizing and
         matching passages never run on the scheduler's worker, which every request's next token waits for."""
         start = time.perf_counter()
+        mode = mode or self.default_mode
         if mode not in modes.PREFILL:
             raise ValueError(f"mode must be one of {modes.MODES}, got {mode!r}")
         if max_new_tokens < 1:

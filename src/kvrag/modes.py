@@ -9,6 +9,8 @@ in what is reused:
              computed before in the same order, prefill the rest
   blend      block mode plus CacheBlend: recompute, with the question, the passage tokens it reads
              most, restoring cross-passage attention (see blend.py)
+  auto       blend whose share follows the request: the fewest passage tokens that hold most of the
+             question's attention (BlendConfig.coverage), so that no share needs tuning
 
 Each takes the `Blocks` of the weights it runs on (the causal modes, full and prefix, run on the
 published weights when an adapter serves the block modes), the prompt, its blocks' store keys, a
@@ -27,12 +29,12 @@ from .prompt import Prompt
 from .store import BadBlock
 from .workspace import Workspace
 
-Mode = Literal["full", "block", "composite", "prefix", "blend"]
+Mode = Literal["full", "block", "composite", "prefix", "blend", "auto"]
 MODES: tuple[str, ...] = get_args(Mode)
 CAUSAL_MODES = ("full", "prefix")
 """Plain causal attention, the attention the published weights were trained for."""
 BLOCK_MODES = tuple(m for m in MODES if m not in CAUSAL_MODES)
-"""block, composite and blend: each passage attended alone, its stored KV reused; what a block-tuned adapter is
+"""block, composite, blend and auto: each passage attended alone, its stored KV reused; what a block-tuned adapter is
 tuned for. The mode sets are written here only: the integrations, CLI and server import them from kvrag."""
 
 
@@ -77,15 +79,21 @@ def placed(blocks: Blocks, prompt: Prompt, keys, ws: Workspace, reorder: bool = 
     return Prefill(None, ws.cache(position), position, computed, reused, hits, ws)
 
 
-def blend(blocks: Blocks, prompt: Prompt, keys, ws: Workspace, keep: int, config: blend_lib.BlendConfig) -> Prefill:
+def blend(blocks: Blocks, prompt: Prompt, keys, ws: Workspace, keep: int, config: blend_lib.BlendConfig,
+          auto: bool = False) -> Prefill:
     """Block mode's cache, then the question with the passage tokens `config` chooses (those it
     reads most, or whose KV deviates most), recomputed in context over it."""
     position, stored, hits = blocks.assemble(prompt, keys, ws)
     first, starts = len(prompt.prefix), prompt.block_starts()
-    logits, recomputed = blend_lib.prefill(blocks.model, ws, prompt.ids(), first, position, starts, config, keep)
+    logits, recomputed = blend_lib.prefill(blocks.model, ws, prompt.ids(), first, position, starts, config, keep,
+                                           auto)
     reused = int(stored.sum() - stored[recomputed.cpu()].sum())
     computed = int((~stored).sum()) + len(recomputed) + len(prompt.question)
     return Prefill(logits, ws.cache(len(prompt)), len(prompt), computed, reused, hits, ws)
+
+
+def auto(blocks: Blocks, prompt: Prompt, keys, ws: Workspace, keep: int, config: blend_lib.BlendConfig) -> Prefill:
+    return blend(blocks, prompt, keys, ws, keep, config, auto=True)
 
 
 def prefix(blocks: Blocks, prompt: Prompt, keys, ws: Workspace, keep: int, config=None) -> Prefill:
@@ -131,4 +139,4 @@ def store_pending(blocks: Blocks, state: Prefill) -> None:
 QUESTION_LEFT = {"block": True, "composite": False}
 """The modes whose question can be left to the caller (`placed`), with their `reorder`."""
 
-PREFILL = {"full": full, "block": block, "composite": composite, "prefix": prefix, "blend": blend}
+PREFILL = {"full": full, "block": block, "composite": composite, "prefix": prefix, "blend": blend, "auto": auto}

@@ -78,11 +78,12 @@ class ChatKVRag(BaseChatModel):
     dtype: str = "auto"
     """Weights and compute when no engine is given: "auto" (bfloat16 or float16 on a GPU, float32 on
     the CPU), "float32", "float16" or "bfloat16"."""
-    mode: Mode = "block"
+    mode: Mode | None = None
     """How passages are used: `block` reuses their cached KV, `full` prefills everything (the
     "stuff" baseline), `blend` reuses it but recomputes the share of passage tokens the question
-    reads most (after CacheBlend, the engine's `BlendConfig`), `prefix` reuses only exact leading
-    runs, `composite` keeps encode positions."""
+    reads most (after CacheBlend, the engine's `BlendConfig`), `auto` the fewest that hold most of the
+    question's attention, `prefix` reuses only exact leading runs, `composite` keeps encode positions.
+    None: the engine's `default_mode`."""
     max_tokens: int = Field(default=256, ge=1)
     temperature: float = Field(default=0.0, ge=0.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
@@ -113,7 +114,8 @@ class ChatKVRag(BaseChatModel):
 
     @property
     def _identifying_params(self) -> dict[str, Any]:
-        return {"model_name": self.model_name, "mode": self.mode, "fingerprint": self.engine.fingerprint}
+        mode = self.mode or self.engine.default_mode
+        return {"model_name": self.model_name, "mode": mode, "fingerprint": self.engine.fingerprint}
 
     def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
         params = super()._get_ls_params(stop=stop, **kwargs)
@@ -155,6 +157,7 @@ class ChatKVRag(BaseChatModel):
         options["max_new_tokens"] = options.pop("max_tokens")
         options["stop"] = list(dict.fromkeys([*(self.stop or []), *(stop or [])]))
         options["max_time"] = self.timeout
+        options["mode"] = options["mode"] or self.engine.default_mode
         return options
 
     def _stream(

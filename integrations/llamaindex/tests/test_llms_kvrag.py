@@ -137,6 +137,9 @@ def test_call_options_override_the_fields(llm, indexed):
     stats = blend.additional_kwargs
     assert stats["mode"] == "blend" and block.additional_kwargs["prefilled_tokens"] < stats["prefilled_tokens"]
     assert stats["prefilled_tokens"] + stats["reused_tokens"] == stats["prompt_tokens"]
+    auto = llm.chat(messages, mode="auto", max_new_tokens=3).additional_kwargs
+    assert auto["mode"] == "auto" and block.additional_kwargs["prefilled_tokens"] < auto["prefilled_tokens"]
+    assert auto["prefilled_tokens"] + auto["reused_tokens"] == auto["prompt_tokens"]
     stopped = llm.chat(messages, stop=["Petra"])
     assert "Petra" not in stopped.message.content and stopped.additional_kwargs["finish_reason"] == "stop"
 

@@ -16,12 +16,12 @@ import warnings
 from importlib import resources
 from pathlib import Path
 
-from kvrag import MODES, KVRagError
+from kvrag import MODES, BlendConfig, KVRagError
 from kvrag.engine import ADAPTER_SCOPES, BLOCK_CONTEXTS
 
 BENCH_METHODS = ("full", "map_reduce", "map_rerank", "block", "blend", "composite")
 """kvrag.eval.accuracy.METHODS: what `bench accuracy` runs by default."""
-BENCH_EXTRA_METHODS = ("prefix", "blend_values", "blend_deviation")
+BENCH_EXTRA_METHODS = ("auto", "prefix", "blend_values", "blend_attention")
 """kvrag.eval.accuracy.EXTRA_METHODS: what it runs when asked by name."""
 BENCH_LAYOUTS = ("kvrag", "langchain-rag-prompt", "rag-prompt-question-last", "langchain-system-context",
                  "llamaindex-text-qa", "llamaindex-chat-qa", "numbered", "separated")
@@ -416,7 +416,7 @@ def cmd_bench_accuracy(args):
         if args.plot != "":
             print(f"plot: {plot(records, own(args.plot, name) if args.plot else results.with_suffix('.png'))}")
         curves.append(results)
-        if not across and {"full", "block", "blend"} <= set(methods):
+        if not across and {"full", "block"} <= set(methods):
             paths.append(results)
     if args.blend_ratios:
         print(f"\nAccuracy (%) against the share of passage tokens recomputed:\n{curve_table(curves)}")
@@ -501,7 +501,6 @@ def _train_config(args):
 def cmd_finetune(args):
     if not args.out:
         raise KVRagError("finetune needs OUT, the directory to train into (or an 'out' in --config)")
-    from kvrag import BlendConfig
     from kvrag.eval import data, squad
     from kvrag.train.finetune import train, training_examples, with_full_mode_answers, with_short_contexts, with_unanswerable_share
 
@@ -641,10 +640,12 @@ def build_parser(finetune_config: dict | None = None) -> argparse.ArgumentParser
 
     p = _command(sub, "ask", "answer a question from the indexed passages")
     p.add_argument("question", help="the question to answer")
-    p.add_argument("--mode", choices=MODES, default="block",
+    p.add_argument("--mode", choices=MODES,
                    help="how passages are used: block reuses their cached KV, full prefills everything, blend "
-                        "reuses it and recomputes the passage tokens the question reads most, prefix reuses "
-                        "only an exact leading run, composite keeps encode positions")
+                        "reuses it and recomputes a share of the passage tokens, those the question reads most, "
+                        "auto the fewest that hold most of the question's attention, prefix reuses only an exact "
+                        "leading run, composite keeps encode positions (default: the engine's default mode, "
+                        "docs/accuracy.md)")
     p.add_argument("--top-k", type=int, default=4, help="passages retrieved for the question")
     p.add_argument("--max-new-tokens", type=int, default=128, help="longest answer in tokens")
     p.set_defaults(func=cmd_ask)
@@ -654,8 +655,8 @@ def build_parser(finetune_config: dict | None = None) -> argparse.ArgumentParser
     p.add_argument("--port", type=int, default=8000, help="port to listen on")
     p.add_argument("--api-key", help="key every /v1 request must send as 'Authorization: Bearer KEY' "
                                      "(default: $KVRAG_API_KEY, else none: open to whoever reaches the port)")
-    p.add_argument("--mode", choices=MODES, default="block", help="mode of requests that name none "
-                                                                  "(a request's kvrag.mode chooses its own)")
+    p.add_argument("--mode", choices=MODES, help="mode of requests that name none, a request's kvrag.mode "
+                                                 "choosing its own (default: the engine's default mode)")
     p.add_argument("--max-batch", type=int, default=16, help="requests whose decode steps run together")
     p.add_argument("--max-queue", type=int, default=256, help="requests that may wait; more are refused with 429")
     p.add_argument("--max-request-bytes", type=int, help="largest request body taken, 400 beyond, checked as it "
@@ -724,9 +725,9 @@ def build_parser(finetune_config: dict | None = None) -> argparse.ArgumentParser
     p.add_argument("--blend-share", type=float, default=TRAIN_DEFAULTS["blend_share"],
                    help="share of the block-attention examples trained in blend mode's attention (the 15%% of "
                         "passage tokens blend recomputes see across passages), so that blend mode is tuned too")
-    p.add_argument("--blend-select", choices=("attention", "deviation"), default="attention",
+    p.add_argument("--blend-select", choices=("deviation", "attention"), default=BlendConfig.select,
                    help="how those examples choose the tokens blend recomputes: as the engine does by default "
-                        "(the question's attention) or CacheBlend's deviation (BlendConfig.select)")
+                        "(CacheBlend's deviation) or by the question's attention (BlendConfig.select)")
     p.add_argument("--config", metavar="FILE",
                    help="JSON file of these options, named without the dashes, or {\"runs\": [{\"name\": ..., "
                         "options...}, ...]}; the options given here override the file's (default: none)")

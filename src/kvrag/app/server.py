@@ -144,6 +144,7 @@ class KVRagOptions(BaseModel):
 
     mode: Mode | None = None
     blend_ratio: float | None = Field(default=None, ge=0.0, le=1.0)  # BlendConfig.recompute_ratio, mode blend
+    coverage: float | None = Field(default=None, gt=0.0, le=1.0)  # BlendConfig.coverage, mode auto
 
 
 class StreamOptions(BaseModel):
@@ -331,16 +332,17 @@ class Gate:
 # ---- the app --------------------------------------------------------------------------------------------
 
 
-def create_app(engine, *, api_key: str | None = None, model_name: str | None = None, default_mode: str = "block",
+def create_app(engine, *, api_key: str | None = None, model_name: str | None = None, default_mode: str | None = None,
                embedder=None, passage_index=None, max_request_bytes: int | None = None,
                max_passages: int = MAX_PASSAGES) -> FastAPI:
     """The HTTP API over `engine`. `model_name`: the id clients send and /v1/models lists (default: the
-    model's directory name). `default_mode`: the mode of requests that name none. `embedder`: what
-    /v1/embeddings runs, with `embed(texts)` and `count_tokens(texts)` (default: the packaged MiniLM,
+    model's directory name). `default_mode`: the mode of requests that name none (default: the engine's
+    `default_mode`). `embedder`: what /v1/embeddings runs, with `embed(texts)` and `count_tokens(texts)` (default: the packaged MiniLM,
     loaded on first use). `passage_index`: a `kvrag.retrieval.PassageIndex` that /v1/passages also stores the
     passages in and /v1/passages/search retrieves from (default: none, and no search).
     `max_request_bytes`: the largest body taken, 400 beyond (default: `default_max_request_bytes`);
     `max_passages`: the most passages one /v1/passages call may carry, 400 beyond."""
+    default_mode = default_mode or engine.default_mode
     if default_mode not in MODES:
         raise ValueError(f"default_mode must be one of {MODES}, got {default_mode!r}")
     if max_request_bytes is None:
@@ -440,8 +442,10 @@ def create_app(engine, *, api_key: str | None = None, model_name: str | None = N
             "seed": body.seed,
             "stop": body.stop,
         }
-        if body.kvrag and body.kvrag.blend_ratio is not None:
-            options["blend"] = replace(engine.blend, recompute_ratio=body.kvrag.blend_ratio)
+        settings = {"recompute_ratio": body.kvrag.blend_ratio, "coverage": body.kvrag.coverage} if body.kvrag else {}
+        settings = {name: value for name, value in settings.items() if value is not None}
+        if settings:
+            options["blend"] = replace(engine.blend, **settings)
 
         def submit():
             """The template, the tokenizer and the passage matching take time in proportion to the prompt: on

@@ -29,7 +29,7 @@ from .ttft import flops_blend, flops_to_first_token, layer_flops
 
 METHODS = ("full", "map_reduce", "map_rerank", "block", "blend", "composite")
 """What `evaluate` runs by default; `EXTRA_METHODS` can be asked for by name."""
-EXTRA_METHODS = ("prefix", "blend_values", "blend_deviation")
+EXTRA_METHODS = ("auto", "prefix", "blend_values", "blend_attention")
 
 
 @dataclass
@@ -49,6 +49,7 @@ class Record:
     prompt_tokens: int
     layout: str = OWN  # the prompt layout (kvrag.eval.layouts) the question was asked in
     concurrency: int = 1  # questions in flight when it was answered: its timings are one user's only at 1
+    recomputed: float | None = None  # share of the tokens before the question computed (modes only)
 
 
 @dataclass
@@ -58,6 +59,7 @@ class Answer:
     total_time: float
     flops: float
     prompt_tokens: int
+    recomputed: float | None = None
 
 
 def flops_generation(config, prompt_tokens: int, generated: int) -> float:
@@ -90,11 +92,12 @@ def _mode(mode: str, blend: BlendConfig | None = None, ratio: float | None = Non
             else:
                 question = len(engine.prompt_from_text(text)[0].question)
             config = engine.model.config
-            if mode == "blend":
+            if mode in ("blend", "auto"):
                 flops = flops_blend(config, r.prompt_tokens - question, question, r.prefilled_tokens - question)
             else:
                 flops = flops_to_first_token(config, r.prefilled_tokens, r.prompt_tokens - r.prefilled_tokens)
-            return Answer(r.text.strip(), r.ttft, r.total_time, flops, r.prompt_tokens)
+            share = 1 - r.reused_tokens / max(r.prompt_tokens - question, 1)
+            return Answer(r.text.strip(), r.ttft, r.total_time, flops, r.prompt_tokens, share)
 
         answer.cancel = stream.cancel
         return answer
@@ -125,14 +128,15 @@ RUNNERS: dict[str, Callable] = {
     "map_rerank": _map_rerank,
     "block": _mode("block"),
     "blend": _mode("blend"),
+    "auto": _mode("auto"),
     "composite": _mode("composite"),
     "prefix": _mode("prefix"),
     "blend_values": _mode("blend", BlendConfig(select="deviation", deviation="values")),
-    "blend_deviation": _mode("blend", BlendConfig(select="deviation")),
+    "blend_attention": _mode("blend", BlendConfig(select="attention")),
 }
 
 
-MODE_METHODS = ("full", "block", "blend", "composite", "prefix", "blend_values", "blend_deviation")
+MODE_METHODS = ("full", "block", "blend", "auto", "composite", "prefix", "blend_values", "blend_attention")
 """The methods that answer from one prompt, so that any prompt layout applies; the chains write their own.
 Blend at a share of its own, "blend@0.3", is one too (`runner`)."""
 REUSING = tuple(m for m in MODE_METHODS if m not in CAUSAL_MODES)
@@ -187,8 +191,10 @@ def _load(path: Path, settings: dict) -> dict[tuple[str, str, str], Record]:
         found = json.loads(lines[0])["settings"]
     except (ValueError, KeyError, TypeError) as exc:
         raise KVRagError(f"{path} is not a kvrag results file (its first line holds no settings)") from exc
-    if isinstance(found.get("blend"), dict):  # written before blend mode could choose by attention
+    if isinstance(found.get("blend"), dict):  # written before blend mode could choose: it chose by deviation
         found["blend"].setdefault("select", "deviation")
+        for name in ("coverage", "least", "most"):  # or before mode auto, which such a file never ran
+            found["blend"].setdefault(name, settings["blend"][name])
     if found != settings:
         differ = sorted(k for k in settings.keys() | found.keys() if settings.get(k) != found.get(k))
         raise KVRagError(f"{path} holds results of another set-up (differs in: {', '.join(differ)}); use another results file")
@@ -245,7 +251,7 @@ def evaluate(
         example, layout, method = jobs[k]
         correct = answer_in_output(a.text, example.answers, example.wrong)
         record = Record(method, example.id, example.type, example.question, a.text, correct, token_f1(a.text, example.answers),
-                        a.ttft, a.total_time, a.flops, a.prompt_tokens, layout, concurrency)
+                        a.ttft, a.total_time, a.flops, a.prompt_tokens, layout, concurrency, a.recomputed)
         if path:
             with path.open("a", encoding="utf-8") as f:
                 f.write(json.dumps(asdict(record)) + "\n")
@@ -422,7 +428,7 @@ def plot(records: Sequence[Record], path: str | Path) -> Path:
 WEIGHTS = {"published": "published weights", "adapter": "shipped adapter"}
 """The weight sets `kvrag bench accuracy --weights` compares modes on, each in every mode."""
 CORPORA = {"generated": "generated worlds", "squad": "SQuAD", "heldout": "examples/heldout"}
-COMPARED = ("block", "blend")  # each against full, on the same weights
+COMPARED = ("block", "blend", "auto")  # each against full, on the same weights, where the files hold it
 
 
 def read_results(path: str | Path) -> tuple[dict, list[Record]]:
@@ -452,9 +458,9 @@ def _clustered(records: Sequence[Record], method: str) -> tuple[int, float, floa
 
 
 def weights_rows(paths: Sequence[str | Path]) -> list[dict]:
-    """Rows of results files (each one weight set on one corpus): accuracy of full, block and blend, and
-    block's and blend's cost against full on the same weights, paired per question. A file asked in several
-    prompt layouts gives a row per layout, then one pooled over them (each question counted once)."""
+    """Rows of results files (each one weight set on one corpus): accuracy of full and of each COMPARED
+    method answered, and their cost against full on the same weights, paired per question. A file asked in
+    several prompt layouts gives a row per layout, then one pooled over them (each question counted once)."""
     rows = []
     for path in paths:
         settings, records = read_results(path)
@@ -468,21 +474,26 @@ def weights_rows(paths: Sequence[str | Path]) -> list[dict]:
             for method in ("full", *COMPARED):
                 answers = [r.correct for r in chosen if r.method == method]
                 row[method] = sum(answers) / len(answers) if answers else math.nan
-            for method in COMPARED:
-                row[f"{method}-full"] = _clustered(chosen, method)[1:]
+                if method != "full":
+                    row[f"{method}-full"] = _clustered(chosen, method)[1:]
             rows.append(row)
     return rows
 
 
 def weights_table(paths: Sequence[str | Path]) -> str:
-    """`weights_rows` as the Markdown table the README and docs/accuracy.md show (accuracy in %)."""
-    lines = ["| weights | corpus | questions | full | block | blend | block − full | blend − full |",
-             "|---|---|---:|---:|---:|---:|---|---|"]
-    for row in weights_rows(paths):
+    """`weights_rows` as the Markdown table the README and docs/accuracy.md show (accuracy in %), with a
+    column for each COMPARED method the files answered."""
+    rows = weights_rows(paths)
+    compared = [m for m in COMPARED if any(not math.isnan(row[m]) for row in rows)]
+    lines = ["| weights | corpus | questions | full | " + " | ".join(compared) + " | "
+             + " | ".join(f"{m} − full" for m in compared) + " |",
+             "|---|---|---:|---:|" + "---:|" * len(compared) + "---|" * len(compared)]
+    for row in rows:
         where = f", `{row['layout']}`" if row["layout"] else f", {row['layouts']} layouts pooled" if row["layouts"] > 1 else ""
         lines.append(f"| {WEIGHTS.get(row['weights'], row['weights'])} | {CORPORA[row['corpus']]}{where} | "
-                     f"{row['questions']} | {100 * row['full']:.1f} | {100 * row['block']:.1f} | {100 * row['blend']:.1f} | "
-                     f"{points(*row['block-full'])} | {points(*row['blend-full'])} |")
+                     f"{row['questions']} | {100 * row['full']:.1f} | "
+                     + "".join(f"{100 * row[m]:.1f} | " for m in compared)
+                     + "".join(f"{points(*row[f'{m}-full'])} | " for m in compared).rstrip())
     return "\n".join(lines)
 
 
@@ -510,9 +521,9 @@ def adapter_effect(paths: Sequence[str | Path]) -> list[str]:
 
 def curve_table(paths: Sequence[str | Path]) -> str:
     """Accuracy against the share of passage tokens recomputed, a row per method of each results file (one
-    weight set each; block is share 0, full 1, blend@R R): accuracy, the difference from full on the same
-    weights paired per question (pooled over layouts, each question once) and the median TTFT, which is one
-    user's only where the file was answered one question at a time."""
+    weight set each; block is share 0, full 1, blend@R R, auto its requests' mean): accuracy, the difference
+    from full on the same weights paired per question (pooled over layouts, each question once) and the
+    median TTFT, which is one user's only where the file was answered one question at a time."""
     lines = ["| weights | corpus | method | share recomputed | accuracy | − full | median TTFT ms |",
              "|---|---|---|---:|---:|---|---:|"]
     for path in paths:
@@ -521,8 +532,9 @@ def curve_table(paths: Sequence[str | Path]) -> str:
         for method in dict.fromkeys(r.method for r in records):
             answers = [r for r in records if r.method == method]
             at = AT_SHARE.fullmatch(method)
+            shares = [r.recomputed for r in answers if r.recomputed is not None]
             share = {"block": "0", "full": "1", "blend": f"{settings['blend']['recompute_ratio']:g}"}.get(
-                method, at.group(1) if at else "-")
+                method, at.group(1) if at else f"{statistics.fmean(shares):.2f} (mean)" if shares else "-")
             gap = "" if method == "full" else points(*_clustered(records, method)[1:])
             lines.append(f"{where} {method} | {share} | {100 * statistics.fmean(r.correct for r in answers):.1f} | "
                          f"{gap} | {statistics.median(r.ttft for r in answers) * 1e3:.0f} |")

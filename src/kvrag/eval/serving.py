@@ -104,9 +104,9 @@ def batch_floor(engine, requests: list[list[dict]], runs: int = 5) -> float:
 
 
 class Server:
-    """`kvrag serve` in a process of its own on a free port."""
+    """`kvrag serve` in a process of its own on a free port; `extra`: global options, `mode`: its --mode."""
 
-    def __init__(self, home: Path, max_batch: int, max_queue: int = 256, extra=()):
+    def __init__(self, home: Path, max_batch: int, max_queue: int = 256, extra=(), mode: str | None = None):
         import socket
 
         with socket.socket() as s:
@@ -114,7 +114,8 @@ class Server:
             self.port = s.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
         command = [str(Path(sys.executable).parent / "kvrag"), "--home", str(home), *extra, "serve", "--port",
-                   str(self.port), "--max-batch", str(max_batch), "--max-queue", str(max_queue), "--log-level", "warning"]
+                   str(self.port), "--max-batch", str(max_batch), "--max-queue", str(max_queue), "--log-level", "warning",
+                   *(["--mode", mode] if mode else [])]
         self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         deadline = time.monotonic() + 600
         while True:

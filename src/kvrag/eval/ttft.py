@@ -146,7 +146,7 @@ def ttft_table(engine, lengths=(0, 512, 1024, 2048, 4096, 8000), runs: int = 3, 
         q_tokens = len(prompt.question)
         cached = len(prompt) - q_tokens
         blends = {f"blend{round(r * 100)}": BlendConfig(recompute_ratio=r) for r in BLEND_RATIOS}
-        times = {name: [] for name in ("floor", "full", "block", "prefix", *blends)}
+        times = {name: [] for name in ("floor", "full", "block", "prefix", *blends, "auto")}
         _ttft(engine, question, passages, "block")  # warm-up: buffers and allocator
         for run in range(runs):
             times["floor"].append(_ttft(engine, question, [], "block"))
@@ -154,6 +154,7 @@ def ttft_table(engine, lengths=(0, 512, 1024, 2048, 4096, 8000), runs: int = 3, 
             times["block"].append(_ttft(engine, question, passages, "block"))
             for name, blend in blends.items():
                 times[name].append(_ttft(engine, question, passages, "blend", blend))
+            times["auto"].append(_ttft(engine, question, passages, "auto"))
             # passages no earlier request has seen: only the system prompt can be a cached prefix
             unseen = make_passages(engine, budget, tag=f"{length}-{run}-") if passages else []
             times["prefix"].append(_ttft(engine, question, unseen, "prefix"))
@@ -175,7 +176,8 @@ def ttft_table(engine, lengths=(0, 512, 1024, 2048, 4096, 8000), runs: int = 3, 
 
 HEADER = (
     f"{'context':>8} {'floor ms':>9} {'full ms':>9} {'prefix ms':>9} {'block ms':>9} "
-    f"{'blend10 ms':>10} {'blend15 ms':>10} {'blend30 ms':>10} {'full/block':>10} {'full/blend15':>12} "
+    f"{'blend10 ms':>10} {'blend15 ms':>10} {'blend30 ms':>10} {'auto ms':>9} {'full/block':>10} {'full/blend15':>12} "
+    f"{'full/auto':>9} "
     f"{'block/floor':>11} {'GFLOPs full':>11} {'GFLOPs block':>12} {'GFLOPs blend15':>14}"
 )
 MEMORY_HEADER = f"{HEADER} {'peak GiB':>9}"
@@ -186,7 +188,8 @@ def format_row(row) -> str:
     return (
         f"{row['context']:>8} {row['floor'] * 1e3:>9.1f} {row['full'] * 1e3:>9.1f} {row['prefix'] * 1e3:>9.1f} "
         f"{row['block'] * 1e3:>9.1f} {row['blend10'] * 1e3:>10.1f} {row['blend15'] * 1e3:>10.1f} "
-        f"{row['blend30'] * 1e3:>10.1f} {row['full'] / row['block']:>9.1f}x {row['full'] / row['blend15']:>11.1f}x "
+        f"{row['blend30'] * 1e3:>10.1f} {row['auto'] * 1e3:>9.1f} {row['full'] / row['block']:>9.1f}x "
+        f"{row['full'] / row['blend15']:>11.1f}x {row['full'] / row['auto']:>8.1f}x "
         f"{row['block'] / row['floor']:>10.2f}x {row['flops_full'] / 1e9:>11.1f} {row['flops_block'] / 1e9:>12.2f} "
         f"{row['flops_blend15'] / 1e9:>14.1f}"
         + (f" {row['peak_memory'] / 2**30:>9.2f}" if "peak_memory" in row else "")

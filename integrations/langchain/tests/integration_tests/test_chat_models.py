@@ -126,6 +126,12 @@ def test_blend_mode_recomputes_a_share_of_the_passages(llm):
     assert metadata["mode"] == "blend" and "brandt" in blend.content.lower()
     assert block.response_metadata["prefilled_tokens"] < metadata["prefilled_tokens"] < blend.usage_metadata["input_tokens"] / 2
     assert metadata["prefilled_tokens"] + metadata["reused_tokens"] == blend.usage_metadata["input_tokens"]
+    auto = llm.invoke(messages, mode="auto")  # the share its passages' deviation asks for
+    metadata = auto.response_metadata
+    assert metadata["mode"] == "auto" and block.response_metadata["prefilled_tokens"] < metadata["prefilled_tokens"]
+    assert metadata["prefilled_tokens"] + metadata["reused_tokens"] == auto.usage_metadata["input_tokens"]
+    text, spans = llm.render(messages)
+    assert auto.content == llm.engine.generate_text(text, spans, mode="auto", max_new_tokens=llm.max_tokens).text
 
 
 def test_streamed_chunks_carry_usage_once_and_join_to_the_invoked_answer(llm):

@@ -122,6 +122,16 @@ def test_call_options_override_fields(llm):
     assert result.response_metadata["finish_reason"] == "length"
 
 
+def test_a_model_naming_no_mode_follows_the_engines_default(engine):
+    engine.default_mode = "full"
+    try:
+        result = ChatKVRag(engine=engine, max_tokens=2).invoke("Count from one to twenty.")
+        assert result.response_metadata["mode"] == "full"
+        assert ChatKVRag(engine=engine)._identifying_params["mode"] == "full"
+    finally:
+        engine.default_mode = "block"
+
+
 def test_tokens_are_counted_with_the_engines_tokenizer(llm):
     assert llm.get_token_ids("Varnholm") == llm.engine.tokenizer("Varnholm", add_special_tokens=False)["input_ids"]
     messages = [HumanMessage("Who built the lighthouse?")]

@@ -87,12 +87,13 @@ class KVRagLLM(CustomLLM):
         default="auto", description='Weights and compute when no engine is given: "auto" (bfloat16 or float16 on a '
         'GPU, float32 on the CPU), "float32", "float16" or "bfloat16".'
     )
-    mode: Mode = Field(
-        default="block",
+    mode: Mode | None = Field(
+        default=None,
         description="How passages are used: `block` reuses their cached KV, `full` prefills everything (the "
         "'stuff' baseline), `blend` reuses it but recomputes the share of passage tokens the question "
-        "reads most (after CacheBlend, the engine's `BlendConfig`), `prefix` reuses only exact leading "
-        "runs, `composite` keeps encode positions.",
+        "reads most (after CacheBlend, the engine's `BlendConfig`), `auto` the fewest that hold most of the "
+        "question's attention, `prefix` reuses only exact leading runs, `composite` keeps encode positions; "
+        "None: the engine's `default_mode`.",
     )
     max_new_tokens: int = Field(default=256, ge=1, description="Tokens to generate at most (`metadata.num_output`).")
     temperature: float = Field(default=0.0, ge=0.0, description="0 is greedy decoding.")
@@ -154,7 +155,9 @@ class KVRagLLM(CustomLLM):
         unknown = [k for k in kwargs if k not in _CALL_OPTIONS]
         if unknown:
             raise TypeError(f"KVRagLLM got unexpected options {unknown}; it takes {list(_CALL_OPTIONS)}")
-        return {k: kwargs.get(k, getattr(self, k)) for k in _CALL_OPTIONS}
+        options = {k: kwargs.get(k, getattr(self, k)) for k in _CALL_OPTIONS}
+        options["mode"] = options["mode"] or self._engine.default_mode
+        return options
 
     def _stats(self, result: GenerationResult) -> dict[str, Any]:
         return {
