@@ -201,7 +201,7 @@ class Selection:
 
 def covering_share(mass: torch.Tensor, coverage: float, least: float, most: float, candidates: int) -> float:
     """The share of the `candidates` passage tokens that the fewest tokens holding `coverage` of `mass`
-    (the question's attention on each) make, within [least, most]."""
+    (each token's deviation, or the question's attention on it) make, within [least, most]."""
     ordered = mass.sort(descending=True).values.cumsum(0)
     needed = int((ordered < coverage * ordered[-1]).sum()) + 1
     return min(max(needed / candidates, least), most)

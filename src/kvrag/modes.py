@@ -7,10 +7,10 @@ in what is reused:
   composite  cached blocks keep the positions they were encoded at (TurboRAG "composite")
   prefix     prefix caching: reuse the longest run of leading blocks whose exact causal KV was
              computed before in the same order, prefill the rest
-  blend      block mode plus CacheBlend: recompute, with the question, the passage tokens it reads
-             most, restoring cross-passage attention (see blend.py)
+  blend      block mode plus CacheBlend: recompute, with the question, the passage tokens whose KV
+             deviates most in context, restoring cross-passage attention (see blend.py)
   auto       blend whose share follows the request: the fewest passage tokens that hold most of the
-             question's attention (BlendConfig.coverage), so that no share needs tuning
+             deviation (BlendConfig.coverage), so that no share needs tuning
 
 Each takes the `Blocks` of the weights it runs on (the causal modes, full and prefix, run on the
 published weights when an adapter serves the block modes), the prompt, its blocks' store keys, a
@@ -81,8 +81,9 @@ def placed(blocks: Blocks, prompt: Prompt, keys, ws: Workspace, reorder: bool = 
 
 def blend(blocks: Blocks, prompt: Prompt, keys, ws: Workspace, keep: int, config: blend_lib.BlendConfig,
           auto: bool = False) -> Prefill:
-    """Block mode's cache, then the question with the passage tokens `config` chooses (those it
-    reads most, or whose KV deviates most), recomputed in context over it."""
+    """Block mode's cache, then the question with the passage tokens `config` chooses (those whose KV
+    deviates most, or that it reads most), recomputed in context over it; `auto`: as many as `config.coverage`
+    asks for."""
     position, stored, hits = blocks.assemble(prompt, keys, ws)
     first, starts = len(prompt.prefix), prompt.block_starts()
     logits, recomputed = blend_lib.prefill(blocks.model, ws, prompt.ids(), first, position, starts, config, keep,

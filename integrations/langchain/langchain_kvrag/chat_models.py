@@ -80,9 +80,9 @@ class ChatKVRag(BaseChatModel):
     the CPU), "float32", "float16" or "bfloat16"."""
     mode: Mode | None = None
     """How passages are used: `block` reuses their cached KV, `full` prefills everything (the
-    "stuff" baseline), `blend` reuses it but recomputes the share of passage tokens the question
-    reads most (after CacheBlend, the engine's `BlendConfig`), `auto` the fewest that hold most of the
-    question's attention, `prefix` reuses only exact leading runs, `composite` keeps encode positions.
+    "stuff" baseline), `blend` reuses it but recomputes the share of passage tokens whose KV changes most
+    in context (after CacheBlend, the engine's `BlendConfig`), `auto` as many as hold most of that change,
+    `prefix` reuses only exact leading runs, `composite` keeps encode positions.
     None: the engine's `default_mode`."""
     max_tokens: int = Field(default=256, ge=1)
     temperature: float = Field(default=0.0, ge=0.0)

@@ -642,9 +642,9 @@ def build_parser(finetune_config: dict | None = None) -> argparse.ArgumentParser
     p.add_argument("question", help="the question to answer")
     p.add_argument("--mode", choices=MODES,
                    help="how passages are used: block reuses their cached KV, full prefills everything, blend "
-                        "reuses it and recomputes a share of the passage tokens, those the question reads most, "
-                        "auto the fewest that hold most of the question's attention, prefix reuses only an exact "
-                        "leading run, composite keeps encode positions (default: the engine's default mode, "
+                        "reuses it and recomputes a share of the passage tokens, those whose KV changes most in "
+                        "context, auto as many as hold most of that change, prefix reuses only an exact leading "
+                        "run, composite keeps encode positions (default: the engine's default mode, "
                         "docs/accuracy.md)")
     p.add_argument("--top-k", type=int, default=4, help="passages retrieved for the question")
     p.add_argument("--max-new-tokens", type=int, default=128, help="longest answer in tokens")

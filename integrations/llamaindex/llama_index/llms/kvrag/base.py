@@ -90,9 +90,9 @@ class KVRagLLM(CustomLLM):
     mode: Mode | None = Field(
         default=None,
         description="How passages are used: `block` reuses their cached KV, `full` prefills everything (the "
-        "'stuff' baseline), `blend` reuses it but recomputes the share of passage tokens the question "
-        "reads most (after CacheBlend, the engine's `BlendConfig`), `auto` the fewest that hold most of the "
-        "question's attention, `prefix` reuses only exact leading runs, `composite` keeps encode positions; "
+        "'stuff' baseline), `blend` reuses it but recomputes the share of passage tokens whose KV changes most "
+        "in context (after CacheBlend, the engine's `BlendConfig`), `auto` as many as hold most of that "
+        "change, `prefix` reuses only exact leading runs, `composite` keeps encode positions; "
         "None: the engine's `default_mode`.",
     )
     max_new_tokens: int = Field(default=256, ge=1, description="Tokens to generate at most (`metadata.num_output`).")
