@@ -188,10 +188,13 @@ class Selection:
             fresh = config.compared(*fresh_kv(family, layer, hidden[:, passage], cos[:, passage], sin[:, passage]))
             cached = config.compared(workspace.keys, workspace.values)[index][:, :, tokens]
             score = deviation(fresh, cached)
-        if self.auto and self.share is None:
-            self.share = covering_share(score, config.coverage, config.least, config.most, candidates)
-        share = self.share if self.auto else config.kept(config.check_layers.index(index), candidates) / candidates
-        kept = min(len(tokens), round(share * candidates))
+        if not self.auto:
+            kept = config.kept(config.check_layers.index(index), candidates)
+        else:
+            if self.share is None:
+                self.share = covering_share(score, config.coverage, config.least, config.most, candidates)
+            kept = round(self.share * candidates)
+        kept = min(len(tokens), kept)
         if config.select == "leading":
             chosen = leading(tokens, self.starts, self.context, kept / len(tokens))
         else:
