@@ -17,7 +17,8 @@ def tok():
 def make_engine(tok, tmp_path, monkeypatch):
     """Engine over a tiny random model of the named architecture, storing float32 KV under tmp_path
     and attending with the float32 kernel: these tests check exactness to float32 round-off (the
-    bfloat16 kernel has its own tests in test_kernels.py)."""
+    bfloat16 kernel has its own tests in test_kernels.py). Requests that name no mode run in block mode, the
+    reuse these tests are about (a user's engine defaults to full)."""
     from kvrag import KVEngine, kernels
 
     monkeypatch.setattr(kernels, "bf16", False)
@@ -25,6 +26,7 @@ def make_engine(tok, tmp_path, monkeypatch):
     def make(arch="llama", seed=0, device="cpu", **kwargs):
         kwargs.setdefault("home", tmp_path)
         kwargs.setdefault("storage_dtype", torch.float32)
+        kwargs.setdefault("default_mode", "block")
         return KVEngine(tiny_model(tiny_configs(len(tok))[arch], seed).to(device), tok, **kwargs)
 
     return make

@@ -10,9 +10,10 @@ import pytest
 
 from kvrag import KVRagError
 from kvrag.app.cli import main
-from kvrag.eval.accuracy import (METHODS, RUNNERS, Record, adapter_effect, against_full, check_methods, curve_table,
-                                 evaluate, flops_generation, format_against_full, format_table, paired_interval, plot,
-                                 points, pooled_against_full, read_results, summarize, weights_table)
+from kvrag.eval.accuracy import (METHODS, RUNNERS, Record, adapter_effect, against_full, check_methods, curve_plot,
+                                 curve_table, evaluate, flops_generation, format_against_full, format_table,
+                                 paired_interval, plot, points, pooled_against_full, read_results, summarize,
+                                 weights_table)
 from kvrag.eval.ttft import flops_to_first_token, layer_flops
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -43,6 +44,7 @@ def test_blend_at_a_share_runs_from_block_to_full(engine, examples, tmp_path):
         assert by["block", e.id].flops <= by["blend@0", e.id].flops < by["blend@0.3", e.id].flops < by["blend@1", e.id].flops
     rows = [line.split(" | ")[2:4] for line in curve_table([tmp_path / "c.jsonl"]).splitlines()[2:]]
     assert rows == [["full", "1"], ["block", "0"], ["blend@0", "0"], ["blend@0.3", "0.3"], ["blend@1", "1"]]
+    assert curve_plot([tmp_path / "c.jsonl"], tmp_path / "c.png").read_bytes()[:8] == PNG
     for bad in ("blend@1.5", "blend@", "blend@-0.1", "blend@x"):
         with pytest.raises(ValueError, match="blend@R"):
             check_methods([bad])
@@ -271,7 +273,7 @@ def test_bench_accuracy_compares_modes_on_the_same_weights_on_the_default_model(
         shares = [r.recomputed for r in read_results(path)[1] if r.method == "auto"]
         assert len(shares) == 2 and all(0 < share <= 0.5 + 1e-9 for share in shares)
         assert f"| auto | {sum(shares) / 2:.2f} (mean) |" in curve_table([path])
-    for name in ("published", "adapter"):  # a plot per weight set, named as the results are
+    for name in ("published", "adapter", "curve"):  # a plot per weight set, named as the results are, and the curve's
         assert (tmp_path / f"curve-{name}.png").read_bytes().startswith(PNG)
 
 

@@ -48,7 +48,7 @@ def test_every_option_has_help_text_and_shows_its_default():
 @pytest.mark.parametrize(
     "argv, expected",
     [
-        (["ask"], ["--mode", "composite keeps encode positions (default: the engine's default mode,", "--top-k TOP_K",
+        (["ask"], ["--mode", "composite keeps encode positions (default: full; docs/accuracy.md says why)", "--top-k TOP_K",
                    "passages retrieved for the question (default: 4)", "longest answer in tokens (default: 128)",
                    "--block-context {none,prefix}", "(default: none)"]),
         (["index"], ["longest passage in tokens (default: 200)", "--block-context {none,prefix}", "(default: none)"]),

@@ -21,7 +21,8 @@ def test_block_mode_answers_from_the_one_passage_that_holds_the_answer(default_e
     default_engine.index(PASSAGES)
     result = default_engine.generate("Who built the Varnholm lighthouse?", PASSAGES, mode="block", max_new_tokens=30)
     assert "brandt" in result.text.lower()
-    assert result.reused_tokens > 0 and result.cache_hits == {"memory": 6}  # prefix, 3 passages, 2 separators
+    # prefix, 3 passages, 2 separators, none computed (from memory, or from disk where another engine wrote them)
+    assert result.reused_tokens > 0 and "computed" not in result.cache_hits and sum(result.cache_hits.values()) == 6
     assert result.prefilled_tokens == len(default_engine.layout.question_ids("Who built the Varnholm lighthouse?"))
 
 
@@ -53,7 +54,7 @@ def test_cli_index_and_ask(tmp_path, capsys):
     assert main(["index", str(docs)]) == 0
     # the first two passages are short (< 32 tokens each), so they are joined into one
     assert "indexed 2 passages from 2 files" in capsys.readouterr().out
-    assert main(["ask", "Who built the Varnholm lighthouse?", "--top-k", "2"]) == 0
+    assert main(["ask", "Who built the Varnholm lighthouse?", "--top-k", "2", "--mode", "block"]) == 0
     captured = capsys.readouterr()
     assert "brandt" in captured.out.lower()
     assert "[block] TTFT" in captured.err and "blocks: disk 4" in captured.err  # a new engine reads the files: prefix, 2 passages, separator

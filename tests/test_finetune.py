@@ -273,8 +273,8 @@ def test_an_adapter_changes_the_fingerprint_and_the_answers(make_engine, tok, tm
     tuned = KVEngine.from_pretrained(str(base), home=tmp_path / "home", adapter=adapter)
     assert tuned.fingerprint != plain.fingerprint
     assert not any("lora" in name for name, _ in tuned.model.named_parameters())  # merged: plain modules again
-    # docs/accuracy.md's default mode: no reusing mode kept full's answers on published weights
-    assert (plain.default_mode, tuned.default_mode) == ("full", "block")
+    # docs/accuracy.md's default mode: no reusing mode kept full's answers, with an adapter or without
+    assert (plain.default_mode, tuned.default_mode) == ("full", "full")
     assert KVEngine.from_pretrained(str(base), home=tmp_path / "home", default_mode="auto").default_mode == "auto"
     prompt, _ = plain.build_prompt(QUESTION, PASSAGES)
     assert not torch.allclose(question_logits(tuned, prompt, "block"), question_logits(plain, prompt, "block"))
@@ -373,7 +373,7 @@ def test_the_default_model_comes_with_the_shipped_block_adapter(default_engine):
     assert sum(shipped.values()) < 10_000_000  # a few MB
     published = KVEngine.from_pretrained(adapter=None)
     assert published.fingerprint != default_engine.fingerprint
-    assert (published.default_mode, default_engine.default_mode) == ("full", "block")
+    assert (published.default_mode, default_engine.default_mode) == ("full", "full")
     assert default_engine.causal_fingerprint == default_engine.fingerprint  # full and prefix on the same weights
     assert default_engine.causal_model is default_engine.model  # one copy of the weights
     assert KVEngine.from_pretrained(adapter=DEFAULT_ADAPTER).fingerprint == default_engine.fingerprint

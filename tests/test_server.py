@@ -60,7 +60,7 @@ def reference(engine, turns=TURNS, **options):
     """The in-process answer to the same request, on a warm store as the server's will be: the first
     request computes the prompt's own text before the passages (a block that counts as prefilled)."""
     text = engine.layout.render_chat(turns)[0]
-    engine.generate_text(text, max_new_tokens=1)
+    engine.generate_text(text, **{**options, "max_new_tokens": 1})
     return engine.generate_text(text, **{"max_new_tokens": 8, **options})
 
 
@@ -518,8 +518,9 @@ def corpus(default_engine):
 
 @pytest.fixture(scope="module")
 def served(default_engine, corpus):
-    """A server over the default engine with the corpus indexed through it: (base URL, model name)."""
-    with running_server(create_app(default_engine, api_key=KEY)) as url:
+    """A server over the default engine in block mode (`kvrag serve --mode block`) with the corpus indexed
+    through it: (base URL, model name)."""
+    with running_server(create_app(default_engine, api_key=KEY, default_mode="block")) as url:
         passages, _ = corpus
         headers = {"Authorization": f"Bearer {KEY}"}
         response = httpx.post(f"{url}/v1/passages", json={"passages": passages}, headers=headers, timeout=600)
@@ -547,7 +548,7 @@ def test_openai_client_streams_and_reuses_the_indexed_passages(served, corpus, d
     url, model = served
     client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY)
     messages, turns, _, _, answers = rag_request(corpus, 2)  # the Glimmerhook Lighthouse
-    expected = reference(default_engine, turns, max_new_tokens=48)
+    expected = reference(default_engine, turns, max_new_tokens=48, mode="block")
     completion = client.chat.completions.create(model=model, messages=messages, max_tokens=48, temperature=0)
     assert completion.choices[0].message.content == expected.text
     assert any(a in expected.text.lower() for a in answers), expected.text
@@ -635,7 +636,7 @@ def test_langchain_chat_openai_in_an_unmodified_stuff_chain(served, corpus, defa
     answer = create_stuff_documents_chain(llm, prompt).invoke({"context": docs, "input": question})
     context = "\n\n".join(passages)  # as the chain joins documents
     expected = reference(default_engine, [("system", [system.format(context=context)]), ("user", [question])],
-                         max_new_tokens=48)
+                         max_new_tokens=48, mode="block")
     assert answer == expected.text and expected.reused_tokens > 0
     assert any(a in answer.lower() for a in answers), answer
     message = llm.invoke(prompt.invoke({"context": context, "input": question}))
@@ -650,7 +651,7 @@ def test_llamaindex_openai_like_chat_and_stream_chat(served, corpus, default_eng
 
     url, model = served
     messages, turns, _, _, answers = rag_request(corpus, 4)  # the national dish
-    expected = reference(default_engine, turns, max_new_tokens=48)
+    expected = reference(default_engine, turns, max_new_tokens=48, mode="block")
     llm = OpenAILike(api_base=f"{url}/v1", model=model, is_chat_model=True, api_key=KEY, temperature=0, max_tokens=48)
     chat_messages = [ChatMessage(role=m["role"], content=m["content"]) for m in messages]
     assert llm.chat(chat_messages).message.content == expected.text

@@ -4,8 +4,8 @@
 
 Starts `kvrag serve` (the one installed next to this Python) on a free port, unless --server names one
 already running, and serves a page at http://127.0.0.1:8080: add documents, ask, watch the answer
-stream, see the passages used and the time to first token (TTFT) and reused tokens, in full, block or
-blend mode. Nothing here imports kvrag: the documents are indexed with POST /v1/passages (each
+stream, see the passages used and the time to first token (TTFT) and reused tokens, in full, block,
+blend or auto mode. Nothing here imports kvrag: the documents are indexed with POST /v1/passages (each
 passage's KV computed once), embedded with /v1/embeddings and kept in memory; a question is answered
 by /v1/chat/completions with the retrieved passages in the system message, which the server finds
 there and reuses.
@@ -77,7 +77,7 @@ class Documents(BaseModel):
 
 class Question(BaseModel):
     question: str = Field(min_length=1)
-    mode: str = Field("block", pattern="^(full|block|blend)$")
+    mode: str = Field("block", pattern="^(full|block|blend|auto)$")
     k: int = Field(3, ge=1, le=10)
     max_tokens: int = Field(96, ge=1, le=1024)
 

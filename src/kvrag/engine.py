@@ -34,10 +34,9 @@ from .store import BlockShape, KVStore, default_storage_dtype, parse_size
 from .workspace import WorkspacePool
 
 ADAPTER_SCOPES = ("block", "all")
-TUNED_DEFAULT_MODE = "block"
-"""The default mode with a block-tuned adapter (the default model's), while docs/accuracy.md's rule is measured on it."""
-UNTUNED_DEFAULT_MODE = "full"
-"""The default mode with published weights: no reusing mode kept full's accuracy on them (docs/accuracy.md)."""
+DEFAULT_MODE = "full"
+"""The mode of requests that name none: by docs/accuracy.md's rule no reusing mode keeps full's accuracy on the
+default model, with its shipped adapter or without; an engine whose weights hold it passes its own."""
 BLOCK_CONTEXTS = ("none", "prefix")
 _BLOCK_ID = re.compile(r"^kv_([0-9a-f]{32})$")
 _SHARED: dict = {}
@@ -51,7 +50,7 @@ class KVEngine:
                  fingerprint: str | None = None, causal_fingerprint: str | None = None,
                  blend: BlendConfig | None = None, max_batch: int = 16, max_queue: int = 256,
                  remote: "str | Remote | None" = None, secret: str | bytes | None = None,
-                 disk_budget: int | str | None = None, default_mode: str = "block"):
+                 disk_budget: int | str | None = None, default_mode: str = DEFAULT_MODE):
         """`causal_model`: other weights for the causal modes (full, prefix), say the published ones when
         `model` carries a block-tuned adapter (default: `model` in every mode). The engine runs on the
         model's device. `storage_dtype`: the stored KV's (default: the model's half dtype, else float16).
@@ -129,9 +128,6 @@ class KVEngine:
         weights; the fingerprint covers the merged weights, so KV made with and without it never mix.
         "auto" (the default) is the block-tuned adapter shipped for the default model, and nothing for
         any other model; None loads the weights as published.
-        `default_mode` (one of kwargs): the mode of requests that name none; by default the mode that
-        docs/accuracy.md found to keep full's answers on such weights: `TUNED_DEFAULT_MODE` with a block-tuned
-        adapter, `UNTUNED_DEFAULT_MODE` without.
         `adapter_scope`: "all" (the default) uses the adapter in every mode, so that choosing a mode changes
         speed and the accuracy cost docs/accuracy.md measures, never the model, and one copy of the weights
         serves. "block" uses it only in the modes with block attention (block, composite, blend), what it
@@ -148,7 +144,6 @@ class KVEngine:
 
         if adapter == "auto":
             adapter = loading.DEFAULT_ADAPTER if model is None else None
-        kwargs.setdefault("default_mode", UNTUNED_DEFAULT_MODE if adapter is None else TUNED_DEFAULT_MODE)
         if adapter is None:
             return cls(lm, tokenizer, fingerprint=fingerprint(lm), **kwargs)
         if adapter_scope == "all":

@@ -19,7 +19,7 @@ def engine(kvrag_home) -> KVEngine:
 
 @pytest.fixture(scope="session")
 def llm(engine) -> KVRagLLM:
-    return KVRagLLM(engine=engine, max_new_tokens=40)
+    return KVRagLLM(engine=engine, mode="block", max_new_tokens=40)
 
 
 @pytest.fixture(scope="session")

@@ -27,7 +27,8 @@ def embed_model():
 @pytest.fixture
 def tiny_engine(tmp_path) -> KVEngine:
     tokenizer = tiny_tokenizer()
-    return KVEngine(tiny_model(tiny_configs(len(tokenizer))["llama"]), tokenizer, home=tmp_path, storage_dtype=torch.float32)
+    return KVEngine(tiny_model(tiny_configs(len(tokenizer))["llama"]), tokenizer, home=tmp_path, storage_dtype=torch.float32,
+                    default_mode="block")  # the reuse these tests are about
 
 
 @pytest.fixture
@@ -101,9 +102,10 @@ def test_full_mode_and_known_passages_do_not_warn(tiny_engine, monkeypatch):
 
 @pytest.mark.e2e
 def test_starter_pattern_reuses_from_the_second_query_on_the_default_model(documents, embed_model):
-    """As a user meets it: the starter pattern, unchanged but for `llm=KVRagLLM()` (the real default model)."""
+    """As a user meets it: the starter pattern, unchanged but for `llm=KVRagLLM(mode="block")` (the real
+    default model; by default it answers in full mode, which reuses nothing)."""
     index = VectorStoreIndex.from_documents(documents, embed_model=embed_model)
-    query_engine = index.as_query_engine(llm=KVRagLLM(max_new_tokens=24))
+    query_engine = index.as_query_engine(llm=KVRagLLM(mode="block", max_new_tokens=24))
     query_engine.query(QUESTION)
     second = query_engine.query(QUESTION)
     assert second.metadata["kvrag"]["reused_tokens"] > 0

@@ -106,7 +106,7 @@ def test_passages_as_documents_text_blocks_or_plain_text_render_alike_and_reuse_
     assert [text[a:b] for a, b in rendered["docs"][1]] == PASSAGES
 
     replies = [llm.chat(m) for m in (as_documents, as_text_blocks, as_one_string)]
-    reference = llm.engine.generate(QUESTION, PASSAGES, max_new_tokens=40)  # the engine's own prompt: the same text
+    reference = llm.engine.generate(QUESTION, PASSAGES, mode="block", max_new_tokens=40)  # the engine's own prompt: the same text
     assert {r.message.content for r in replies} == {reference.text}
     assert "Vaskane" in reference.text
     for reply in replies:

@@ -69,11 +69,13 @@ def test_kv_is_found_on_disk_or_computed_at_query_time_when_the_cache_skipped_th
     answer = ask(llm, nodes)
 
     engine = llm.engine  # the same weights, new engines: a fresh process on the same / another KVRAG_HOME
-    same_home = KVRagLLM(engine=KVEngine(engine.model, engine.tokenizer, home=engine.home, fingerprint=engine.fingerprint))
+    same_home = KVRagLLM(engine=KVEngine(engine.model, engine.tokenizer, home=engine.home, fingerprint=engine.fingerprint),
+                         mode="block")
     from_disk = ask(same_home, nodes)
     assert set(from_disk.metadata["kvrag"]["cache_hits"]) == {"disk"}
 
-    new_home = KVRagLLM(engine=KVEngine(engine.model, engine.tokenizer, home=tmp_path, fingerprint=engine.fingerprint))
+    new_home = KVRagLLM(engine=KVEngine(engine.model, engine.tokenizer, home=tmp_path, fingerprint=engine.fingerprint),
+                        mode="block")
     rerun = pipeline(new_home, embed_model, cache=cache).run(documents=docs)  # cached: nothing runs
     assert not any(tmp_path.glob("kv/*/*/*.safetensors"))
     computed = ask(new_home, rerun)

@@ -356,8 +356,8 @@ def cmd_bench_accuracy(args):
     if (args.squad is not None) + (args.heldout is not None) > 1:
         raise KVRagError("--squad and --heldout are two corpora: ask one at a time")
     from kvrag.eval import data, heldout, squad
-    from kvrag.eval.accuracy import (adapter_effect, check_methods, curve_table, evaluate, format_against_full,
-                                     format_table, plot, summarize, weights_table)
+    from kvrag.eval.accuracy import (adapter_effect, check_methods, curve_plot, curve_table, evaluate,
+                                     format_against_full, format_table, plot, summarize, weights_table)
 
     layouts = _layouts(args.prompts)
     own = layouts == ["kvrag"]
@@ -420,6 +420,9 @@ def cmd_bench_accuracy(args):
             paths.append(results)
     if args.blend_ratios:
         print(f"\nAccuracy (%) against the share of passage tokens recomputed:\n{curve_table(curves)}")
+        if args.plot != "":
+            base = Path(args.plot or curves[0])
+            print(f"curve plot: {curve_plot(curves, base.with_name(f'{base.stem}-curve.png'))}")
     if paths:
         print("\nThe cost of block attention on the same weights (accuracy in %, paired 95% intervals):")
         print(weights_table(paths))
@@ -644,8 +647,7 @@ def build_parser(finetune_config: dict | None = None) -> argparse.ArgumentParser
                    help="how passages are used: block reuses their cached KV, full prefills everything, blend "
                         "reuses it and recomputes a share of the passage tokens, those whose KV changes most in "
                         "context, auto as many as hold most of that change, prefix reuses only an exact leading "
-                        "run, composite keeps encode positions (default: the engine's default mode, "
-                        "docs/accuracy.md)")
+                        "run, composite keeps encode positions (default: full; docs/accuracy.md says why)")
     p.add_argument("--top-k", type=int, default=4, help="passages retrieved for the question")
     p.add_argument("--max-new-tokens", type=int, default=128, help="longest answer in tokens")
     p.set_defaults(func=cmd_ask)
@@ -656,7 +658,7 @@ def build_parser(finetune_config: dict | None = None) -> argparse.ArgumentParser
     p.add_argument("--api-key", help="key every /v1 request must send as 'Authorization: Bearer KEY' "
                                      "(default: $KVRAG_API_KEY, else none: open to whoever reaches the port)")
     p.add_argument("--mode", choices=MODES, help="mode of requests that name none, a request's kvrag.mode "
-                                                 "choosing its own (default: the engine's default mode)")
+                                                 "choosing its own (default: full)")
     p.add_argument("--max-batch", type=int, default=16, help="requests whose decode steps run together")
     p.add_argument("--max-queue", type=int, default=256, help="requests that may wait; more are refused with 429")
     p.add_argument("--max-request-bytes", type=int, help="largest request body taken, 400 beyond, checked as it "

@@ -391,13 +391,7 @@ def format_table(rows: Sequence[dict]) -> str:
 
 def plot(records: Sequence[Record], path: str | Path) -> Path:
     """A PNG with accuracy against median TTFT (a point per method) and TTFT against prompt length."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as exc:
-        raise KVRagError("plots need matplotlib: pip install matplotlib (or pip install 'kvrag[bench]')") from exc
+    plt = _pyplot()
     rows = summarize(records)
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.8))
     for k, row in enumerate(rows):
@@ -413,13 +407,28 @@ def plot(records: Sequence[Record], path: str | Path) -> Path:
     right.set(xscale="log", yscale="log", xlabel="prompt tokens the method reads (log)", ylabel="TTFT (ms, log)",
               title="Time to first token against prompt length")
     right.legend(fontsize=8)
-    for ax in (left, right):
+    return _save(fig, path)
+
+
+def _pyplot():
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        raise KVRagError("plots need matplotlib: pip install matplotlib (or pip install 'kvrag[bench]')") from exc
+    return plt
+
+
+def _save(fig, path: str | Path) -> Path:
+    for ax in fig.axes:
         ax.grid(True, which="both", alpha=0.3)
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _pyplot().close(fig)
     return path
 
 
@@ -519,23 +528,63 @@ def adapter_effect(paths: Sequence[str | Path]) -> list[str]:
     return lines
 
 
-def curve_table(paths: Sequence[str | Path]) -> str:
-    """Accuracy against the share of passage tokens recomputed, a row per method of each results file (one
-    weight set each; block is share 0, full 1, blend@R R, auto its requests' mean): accuracy, the difference
-    from full on the same weights paired per question (pooled over layouts, each question once) and the
-    median TTFT, which is one user's only where the file was answered one question at a time."""
-    lines = ["| weights | corpus | method | share recomputed | accuracy | − full | median TTFT ms |",
-             "|---|---|---|---:|---:|---|---:|"]
+def curve_rows(paths: Sequence[str | Path]) -> list[dict]:
+    """A row per method of each results file (one weight set each): the share of passage tokens it recomputed
+    (block 0, full 1, blend@R R, auto its requests' mean), accuracy, the difference from full on the same
+    weights paired per question (pooled over layouts, each question once) and the median TTFT, which is one
+    user's only where the file was answered one question at a time."""
+    rows = []
     for path in paths:
         settings, records = read_results(path)
-        where = f"| {WEIGHTS.get(settings.get('weights'), 'model')} | {CORPORA[_corpus(settings)]} |"
         for method in dict.fromkeys(r.method for r in records):
             answers = [r for r in records if r.method == method]
             at = AT_SHARE.fullmatch(method)
             shares = [r.recomputed for r in answers if r.recomputed is not None]
-            share = {"block": "0", "full": "1", "blend": f"{settings['blend']['recompute_ratio']:g}"}.get(
-                method, at.group(1) if at else f"{statistics.fmean(shares):.2f} (mean)" if shares else "-")
-            gap = "" if method == "full" else points(*_clustered(records, method)[1:])
-            lines.append(f"{where} {method} | {share} | {100 * statistics.fmean(r.correct for r in answers):.1f} | "
-                         f"{gap} | {statistics.median(r.ttft for r in answers) * 1e3:.0f} |")
+            share = {"block": 0.0, "full": 1.0, "blend": settings["blend"]["recompute_ratio"]}.get(
+                method, float(at.group(1)) if at else statistics.fmean(shares) if shares else None)
+            rows.append({"weights": settings.get("weights", "model"), "corpus": _corpus(settings), "method": method,
+                         "share": share, "mean_share": method == "auto" and bool(shares),
+                         "accuracy": statistics.fmean(r.correct for r in answers),
+                         "gap": None if method == "full" else _clustered(records, method)[1:],
+                         "ttft": statistics.median(r.ttft for r in answers),
+                         "flops": statistics.median(r.flops for r in answers)})
+    return rows
+
+
+def curve_table(paths: Sequence[str | Path]) -> str:
+    """`curve_rows` as the Markdown table docs/accuracy.md shows (accuracy in %)."""
+    lines = ["| weights | corpus | method | share recomputed | accuracy | − full | median TTFT ms |",
+             "|---|---|---|---:|---:|---|---:|"]
+    for row in curve_rows(paths):
+        share = "-" if row["share"] is None else f"{row['share']:.2f} (mean)" if row["mean_share"] else f"{row['share']:g}"
+        lines.append(f"| {WEIGHTS.get(row['weights'], 'model')} | {CORPORA[row['corpus']]} | {row['method']} | {share} | "
+                     f"{100 * row['accuracy']:.1f} | {'' if row['gap'] is None else points(*row['gap'])} | "
+                     f"{row['ttft'] * 1e3:.0f} |")
     return "\n".join(lines)
+
+
+def curve_plot(paths: Sequence[str | Path], path: str | Path) -> Path:
+    """A PNG of `curve_rows`: each weight set's accuracy against the share recomputed (blend's shares joined
+    by a line from block to full, auto apart) and against the compute before the first token, which TTFT
+    follows on an idle machine and which, unlike TTFT, other work on the machine does not move."""
+    plt = _pyplot()
+    rows = [row for row in curve_rows(paths) if row["share"] is not None]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.8))
+    for (weights, corpus), color in zip(dict.fromkeys((r["weights"], r["corpus"]) for r in rows), plt.cm.tab10.colors):
+        mine = [r for r in rows if (r["weights"], r["corpus"]) == (weights, corpus)]
+        label = f"{WEIGHTS.get(weights, weights)}, {CORPORA[corpus]}"
+        line = sorted((r for r in mine if r["method"] != "auto"), key=lambda r: r["share"])
+        left.plot([r["share"] for r in line], [100 * r["accuracy"] for r in line], "o-", color=color, label=label)
+        right.plot([r["flops"] / 1e9 for r in line], [100 * r["accuracy"] for r in line], "o-", color=color, label=label)
+        for r in mine:
+            if r["method"] == "auto":
+                left.plot(r["share"], 100 * r["accuracy"], "*", ms=14, color=color, label=f"auto ({label})")
+                right.plot(r["flops"] / 1e9, 100 * r["accuracy"], "*", ms=14, color=color)
+            for ax, x in ((left, r["share"]), (right, r["flops"] / 1e9)):
+                ax.annotate(r["method"], (x, 100 * r["accuracy"]), textcoords="offset points", xytext=(5, -11), fontsize=7)
+    left.set(xlabel="share of passage tokens recomputed (block 0, full 1)", ylabel="accuracy (%)",
+             title="Accuracy against the share recomputed")
+    right.set(xscale="log", xlabel="median GFLOPs to the first token (log)", ylabel="accuracy (%)",
+              title="Accuracy against the compute to the first token")
+    left.legend(fontsize=8)
+    return _save(fig, path)

@@ -168,7 +168,8 @@ def test_example_app_asks_in_langchains_rag_prompt(tmp_path):
 
 
 def test_tutorial_with_plain_chroma_reuses_from_the_second_question_on_the_default_model():
-    """As a user meets it: the tutorial chain over a plain in-memory Chroma, only the chat model is kvrag's."""
+    """As a user meets it: the tutorial chain over a plain in-memory Chroma, only the chat model is kvrag's
+    (in block mode: by default it answers in full mode, which reuses nothing)."""
     import uuid
 
     from langchain_chroma import Chroma
@@ -184,7 +185,7 @@ def test_tutorial_with_plain_chroma_reuses_from_the_second_question_on_the_defau
     )])
     prompt = ChatPromptTemplate.from_messages([("system", "Answer from the context.\n\n{context}"), ("human", "{question}")])
     context = store.as_retriever(search_kwargs={"k": 2}) | (lambda docs: "\n\n".join(d.page_content for d in docs))
-    chain = {"context": context, "question": RunnablePassthrough()} | prompt | ChatKVRag(max_tokens=24)
+    chain = {"context": context, "question": RunnablePassthrough()} | prompt | ChatKVRag(mode="block", max_tokens=24)
     chain.invoke("Who built the Varnholm lighthouse?")
     second = chain.invoke("Who built the Varnholm lighthouse?")
     assert second.response_metadata["reused_tokens"] > 0

@@ -41,7 +41,7 @@ class TestChatKVRagIntegration(ChatModelIntegrationTests):
         return {"invoke": ["cache_read_input"], "stream": ["cache_read_input"]}
 
     def invoke_with_cache_read_input(self, *, stream: bool = False) -> AIMessage:
-        llm = ChatKVRag(**self.chat_model_params)
+        llm = ChatKVRag(**self.chat_model_params, mode="block")
         llm.engine.index(PASSAGES)
         message = HumanMessage(content=[create_plaintext_block(text=p) for p in PASSAGES] + [{"type": "text", "text": QUESTION}])
         if not stream:
@@ -58,7 +58,7 @@ class TestChatKVRagIntegration(ChatModelIntegrationTests):
 def llm():
     engine = ChatKVRag().engine
     engine.index(PASSAGES)
-    return ChatKVRag(engine=engine, max_tokens=30)
+    return ChatKVRag(engine=engine, mode="block", max_tokens=30)
 
 
 def explicit_blocks(passages, question):

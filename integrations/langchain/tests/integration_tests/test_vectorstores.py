@@ -86,7 +86,7 @@ def test_retrieved_passages_are_answered_from_their_stored_kv(engine, store, enc
     store.add_texts(texts)
     retrieved = [d.page_content for d in store.similarity_search(texts[1], k=2)]
     assert retrieved[0] == texts[1]
-    result = engine.generate("How many ships arrive?", retrieved, max_new_tokens=1)
+    result = engine.generate("How many ships arrive?", retrieved, mode="block", max_new_tokens=1)
     assert result.cache_hits.get("computed", 0) == 0
     assert result.cache_hits["memory"] == 4  # the prefix, both passages and the separator between them
     assert len(encoded) == 3  # only the indexing encoded anything

@@ -25,7 +25,8 @@ QUESTION = "Who built the lighthouse?"
 @pytest.fixture
 def engine(tmp_path) -> KVEngine:
     tokenizer = tiny_tokenizer()
-    return KVEngine(tiny_model(tiny_configs(len(tokenizer))["llama"]), tokenizer, home=tmp_path, storage_dtype=torch.float32)
+    return KVEngine(tiny_model(tiny_configs(len(tokenizer))["llama"]), tokenizer, home=tmp_path, storage_dtype=torch.float32,
+                    default_mode="block")  # the reuse these tests are about
 
 
 def _tutorial_chain(llm, retriever):

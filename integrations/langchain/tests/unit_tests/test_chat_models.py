@@ -27,7 +27,7 @@ def tiny_engine() -> KVEngine:
 
     tokenizer = tiny_tokenizer()
     model = tiny_model(tiny_configs(len(tokenizer))["llama"])
-    return KVEngine(model, tokenizer, home=kvrag_home() / "tiny-langchain", storage_dtype=torch.float32)
+    return KVEngine(model, tokenizer, home=kvrag_home() / "tiny-langchain", storage_dtype=torch.float32, default_mode="block")
 
 
 @pytest.fixture
