@@ -181,6 +181,11 @@ def test_gradual_filtering_and_block_sinks(deep_engine, tok):
     assert BlendConfig(0.3, check_layers=(1, 2, 3), widen=2.0).kept(0, 100) == 60
     assert BlendConfig(0.3, check_layers=(1, 2, 3), widen=2.0).kept(1, 100) == 45
     assert BlendConfig(0.3, check_layers=(1, 2, 3), widen=2.0).kept(2, 100) == 30
+    assert BlendConfig(0.3, check_layers=(1, 2, 3), widen=2.0).kept(0, 100, share=0.1) == 20  # auto's share
+    # auto narrows the same way, to the share the first check layer's coverage chose
+    single = recomputed(engine, prompt, BlendConfig(coverage=0.6, least=0.0, most=1.0), auto=True)
+    gradual = recomputed(engine, prompt, BlendConfig(coverage=0.6, least=0.0, most=1.0, check_layers=(1, 2, 3)), auto=True)
+    assert len(gradual) == len(single) and gradual.tolist() != single.tolist()
 
 
 def test_blend_generation_reports_what_it_recomputed(make_engine, tok):

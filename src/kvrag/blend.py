@@ -12,7 +12,8 @@ being computed goes on: those whose fresh K or V deviates most from the cached o
 choice and the default, `select="deviation"`), those the question attends to most over the cached KV
 (`select="attention"`, as query-centric methods choose), or each passage's first tokens
 (`select="leading"`); the question always does. Mode "auto" takes the fewest tokens that hold a share
-(`coverage`) of the measure, so the share follows the request. A computed token writes its fresh K/V over
+(`coverage`) of the measure on the first check layer, so the share follows the request; with several
+check layers it is the share the last one keeps, as `recompute_ratio` is blend's. A computed token writes its fresh K/V over
 the cached ones (the cache layers' `slots`) and attends over the blended cache with an explicit
 causal mask. On the last layer the passage tokens only write their K/V: nothing reads their output.
 Recompute ratio 1 recomputes every token, which is `full`; ratio 0 only the question, which is
@@ -40,7 +41,8 @@ class BlendConfig:
     deviation        compare "keys" (measured closer to full here, see docs/modes.md) or "values"
                      (CacheBlend's implementation).
     widen            with several check layers, the first keeps `widen` times the final share and
-                     later ones narrow it linearly to `recompute_ratio` (CacheBlend's gradual filtering).
+                     later ones narrow it linearly to `recompute_ratio`, or auto's share (CacheBlend's
+                     gradual filtering).
     sink_tokens      the first tokens of every block are recomputed as well (each block's own
                      attention sink, after EPIC), on top of the ratio.
     select           "deviation" (CacheBlend: the tokens whose K or V changes most in context),
@@ -87,10 +89,12 @@ class BlendConfig:
         """Whichever of the two `deviation` measures."""
         return values if self.deviation == "values" else keys
 
-    def kept(self, check: int, candidates: int) -> int:
-        """Tokens that survive the `check`-th check layer out of `candidates`."""
+    def kept(self, check: int, candidates: int, share: float | None = None) -> int:
+        """Tokens that survive the `check`-th check layer out of `candidates`, when `share` of them (default:
+        `recompute_ratio`) survive the last."""
         last = len(self.check_layers) - 1
-        share = self.recompute_ratio * (self.widen - (self.widen - 1) * check / last if last else 1.0)
+        share = (self.recompute_ratio if share is None else share) * (
+            self.widen - (self.widen - 1) * check / last if last else 1.0)
         return min(candidates, round(min(share, 1.0) * candidates))
 
 
@@ -188,13 +192,9 @@ class Selection:
             fresh = config.compared(*fresh_kv(family, layer, hidden[:, passage], cos[:, passage], sin[:, passage]))
             cached = config.compared(workspace.keys, workspace.values)[index][:, :, tokens]
             score = deviation(fresh, cached)
-        if not self.auto:
-            kept = config.kept(config.check_layers.index(index), candidates)
-        else:
-            if self.share is None:
-                self.share = covering_share(score, config.coverage, config.least, config.most, candidates)
-            kept = round(self.share * candidates)
-        kept = min(len(tokens), kept)
+        if self.auto and self.share is None:
+            self.share = covering_share(score, config.coverage, config.least, config.most, candidates)
+        kept = min(len(tokens), config.kept(config.check_layers.index(index), candidates, self.share))
         if config.select == "leading":
             chosen = leading(tokens, self.starts, self.context, kept / len(tokens))
         else:
