@@ -30,7 +30,8 @@ assert len(MANY) == 20 and len(set(MANY)) == 20
 
 
 def new_engine(model, tok, home, **kwargs) -> KVEngine:
-    return KVEngine(model, tok, home=home, storage_dtype=torch.float32, **kwargs)
+    """An engine whose requests run in block mode unless they name another: the stored KV these tests read."""
+    return KVEngine(model, tok, home=home, storage_dtype=torch.float32, **{"default_mode": "block", **kwargs})
 
 
 def kv_files(root: Path) -> list[Path]:

@@ -127,7 +127,7 @@ def test_engine_runs_the_kernels_and_answers_as_without(lib, tok, tmp_path, monk
         state = engine.prefill(prompt, "block", all_logits=True)
         logits = state.logits.clone()
         engine.release(state)
-        return logits, engine.generate(QUESTION, TEXTS, max_new_tokens=12).token_ids
+        return logits, engine.generate(QUESTION, TEXTS, mode="block", max_new_tokens=12).token_ids
 
     logits, answer = run()
     assert calls["attend"] >= engine.model.config.num_hidden_layers and calls["fill_block"] >= len(TEXTS)
@@ -186,8 +186,8 @@ def test_a_request_never_compiles(home, tok, monkeypatch, caplog):
     monkeypatch.setenv("CC", "/bin/false")  # a compiler that fails, were one run
     engine = KVEngine(tiny_model(tiny_configs(len(tok))["llama-head64"]), tok, home=home)
     with caplog.at_level("INFO", logger="kvrag.kernels"):
-        assert engine.generate(QUESTION, TEXTS, max_new_tokens=3).token_ids
-        assert engine.generate(QUESTION, TEXTS, max_new_tokens=3).token_ids
+        assert engine.generate(QUESTION, TEXTS, mode="block", max_new_tokens=3).token_ids
+        assert engine.generate(QUESTION, TEXTS, mode="block", max_new_tokens=3).token_ids
     assert kernels.library() is None and "not built" in kernels.status()
     said = [r.getMessage() for r in caplog.records if r.name == "kvrag.kernels"]
     assert len(said) == 1 and "`kvrag kernels build`" in said[0]
@@ -216,7 +216,7 @@ def test_without_a_compiler_torch_runs(home, tok, monkeypatch):
     assert kernels.library() is None
     assert "no C compiler" in kernels.build() or "AVX-512F" in kernels.status()
     engine = KVEngine(tiny_model(tiny_configs(len(tok))["llama-head64"]), tok, home=home)
-    assert engine.generate(QUESTION, TEXTS, max_new_tokens=3).token_ids
+    assert engine.generate(QUESTION, TEXTS, mode="block", max_new_tokens=3).token_ids
     monkeypatch.setattr(kernels, "enabled", False)
     assert kernels.status() == "off (KVRAG_KERNELS=0)"
 
@@ -228,7 +228,7 @@ from tiny import tiny_configs, tiny_model, tiny_tokenizer
 from kvrag import KVEngine, kernels
 tok = tiny_tokenizer()
 engine = KVEngine(tiny_model(tiny_configs(len(tok))["llama-head64"]), tok)
-print(engine.generate({QUESTION!r}, {TEXTS!r}, max_new_tokens=8).token_ids)
+print(engine.generate({QUESTION!r}, {TEXTS!r}, mode="block", max_new_tokens=8).token_ids)
 print(kernels.status())
 """
 MAPPED_OPENMP = """
@@ -274,7 +274,7 @@ def test_a_damaged_build_is_never_loaded(home, tok, monkeypatch, damage):
     answer, status = run.stdout.strip().splitlines()[-2:]
     monkeypatch.setattr(kernels, "enabled", False)
     torch_engine = KVEngine(tiny_model(tiny_configs(len(tok))["llama-head64"]), tok, home=home / "torch")
-    assert answer == str(torch_engine.generate(QUESTION, TEXTS, max_new_tokens=8).token_ids)
+    assert answer == str(torch_engine.generate(QUESTION, TEXTS, mode="block", max_new_tokens=8).token_ids)
     assert status.startswith("off (not loaded: ")
     assert run.stderr.count("C kernels not loaded") == 1, run.stderr
     assert not (home / "kernels" / "planted-ran").exists()

@@ -141,7 +141,7 @@ def ttft_rows(engine, url: str, home: Path, lengths, runs: int, out=print) -> di
                 for name, tier in tiers.items():
                     if name != "memory":
                         _cold(tier)
-                    result = tier.generate(question, passages, max_new_tokens=1)
+                    result = tier.generate(question, passages, mode="block", max_new_tokens=1)
                     if result.cache_hits.get(name, 0) < len(passages):  # the tier's name is the hits' name
                         raise RuntimeError(f"the {name} run was not served from there: {result.cache_hits}")
                     times[name].append(result.ttft)
@@ -177,7 +177,7 @@ def replicas(load, url: str, home: Path, out=print) -> tuple:
     a.index(passages, progress=False)
     for question, top in requests:
         for engine in (a, b):
-            engine.generate(question, top, max_new_tokens=8)
+            engine.generate(question, top, mode="block", max_new_tokens=8)
     encoded = [sum(c.values()) for c in counts]
     twice = sum(counts[0][p] + counts[1][p] > 1 for p in passages)
     out(f"corpus {len(passages)} passages, indexed through A, {len(requests)} questions asked through A and B: "
@@ -188,7 +188,7 @@ def replicas(load, url: str, home: Path, out=print) -> tuple:
 def restart(a, b, server: RedisServer, requests, total: int = 200, clients: int = 4, out=print) -> dict:
     """`total` requests from `clients` threads to A and B in turn; Redis stopped at a third of them and
     started again at two thirds."""
-    expected = {q: a.generate(q, top, max_new_tokens=8).token_ids for q, top in requests}
+    expected = {q: a.generate(q, top, mode="block", max_new_tokens=8).token_ids for q, top in requests}
     done, errors, wrong, lock = [0], [], [0], threading.Lock()
     events = {total // 3: server.stop, 2 * total // 3: server.start}
     ran = {n: threading.Event() for n in events}  # in order: a start never overtakes the stop still under way
@@ -210,7 +210,7 @@ def restart(a, b, server: RedisServer, requests, total: int = 200, clients: int 
                     ran[n].set()
             question, top = requests[n % len(requests)]
             try:
-                if (a, b)[n % 2].generate(question, top, max_new_tokens=8).token_ids != expected[question]:
+                if (a, b)[n % 2].generate(question, top, mode="block", max_new_tokens=8).token_ids != expected[question]:
                     with lock:
                         wrong[0] += 1
             except Exception as exc:  # noqa: BLE001 - counted, that is what is measured
