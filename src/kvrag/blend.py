@@ -15,9 +15,10 @@ choice and the default, `select="deviation"`), those the question attends to mos
 (`coverage`) of the measure on the first check layer, so the share follows the request; with several
 check layers it is the share the last one keeps, as `recompute_ratio` is blend's. A computed token
 writes its fresh K/V over the cached ones (the cache layers' `slots`) and attends over the blended
-cache with an explicit causal mask. On the last layer the passage tokens only write their K/V: nothing reads their output.
-Recompute ratio 1 recomputes every token, which is `full`; ratio 0 only the question, which is
-`block` (when the first check layer is 0 or 1). Positions are block mode's re-encoded ones.
+cache with an explicit causal mask. On the last layer the passage tokens only write their K/V:
+nothing reads their output. Recompute ratio 1 recomputes every token, which is `full`; ratio 0 only
+the question, which is `block` (when the first check layer is 0 or 1). Positions are block mode's
+re-encoded ones.
 """
 
 from dataclasses import dataclass

@@ -543,7 +543,7 @@ def curve_rows(paths: Sequence[str | Path]) -> list[dict]:
             share = {"block": 0.0, "full": 1.0, "blend": settings["blend"]["recompute_ratio"]}.get(
                 method, float(at.group(1)) if at else statistics.fmean(shares) if shares else None)
             rows.append({"weights": settings.get("weights", "model"), "corpus": _corpus(settings), "method": method,
-                         "share": share, "mean_share": method == "auto" and bool(shares),
+                         "share": share,
                          "accuracy": statistics.fmean(r.correct for r in answers),
                          "gap": None if method == "full" else _clustered(records, method)[1:],
                          "ttft": statistics.median(r.ttft for r in answers),
@@ -556,7 +556,7 @@ def curve_table(paths: Sequence[str | Path]) -> str:
     lines = ["| weights | corpus | method | share recomputed | accuracy | − full | median TTFT ms |",
              "|---|---|---|---:|---:|---|---:|"]
     for row in curve_rows(paths):
-        share = "-" if row["share"] is None else f"{row['share']:.2f} (mean)" if row["mean_share"] else f"{row['share']:g}"
+        share = "-" if row["share"] is None else f"{row['share']:.2f} (mean)" if row["method"] == "auto" else f"{row['share']:g}"
         lines.append(f"| {WEIGHTS.get(row['weights'], 'model')} | {CORPORA[row['corpus']]} | {row['method']} | {share} | "
                      f"{100 * row['accuracy']:.1f} | {'' if row['gap'] is None else points(*row['gap'])} | "
                      f"{row['ttft'] * 1e3:.0f} |")
