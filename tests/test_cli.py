@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from servers import free_port
 
+from kvrag import KVEngine, KVRagError
 from kvrag.app import cli
 from kvrag.app.cli import build_parser, main
 from kvrag.retrieval import chroma_collection
@@ -246,6 +247,35 @@ def test_cli_refuses_a_non_utf8_file_and_indexes_nothing(tmp_path, capsys):
     assert main(["--home", str(home), "index", str(docs)]) == 2
     assert "bad.txt is not UTF-8" in capsys.readouterr().err
     assert not home.exists()  # checked before the model was even loaded: no KV, no Chroma collection
+
+
+def test_errors_a_user_can_cause_are_one_line_naming_the_path(tmp_path, saved_model_and_adapter, capsys):
+    """An unusable KVRAG_HOME, a model path that is not there, empty files: one line each, naming it."""
+    model_dir, _ = saved_model_and_adapter
+    model = ["--model", str(model_dir), "--adapter", "none", "--device", "cpu"]
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "empty.txt").write_text("\n  \n")
+    assert main([*model, "--home", str(tmp_path / "home"), "index", str(docs / "empty.txt")]) == 2
+    assert capsys.readouterr().err == f"kvrag: error: nothing to index: {docs / 'empty.txt'} is empty\n"
+    (docs / "a.txt").write_text(PASSAGES[0])
+    with pytest.warns(UserWarning) as said:
+        assert main([*model, "--home", str(tmp_path / "home"), "index", str(docs)]) == 0
+    assert [str(w.message) for w in said] == [f"kvrag: skipping empty file {docs / 'empty.txt'}"]
+    assert "indexed 1 passages from 1 files" in capsys.readouterr().out
+    occupied = tmp_path / "a-file"
+    occupied.write_text("not a directory")
+    for home in (occupied, occupied / "below"):
+        assert main([*model, "--home", str(home), "index", str(docs / "a.txt")]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"kvrag: error: kvrag keeps its files in {home} (KVRAG_HOME or --home), which is not "
+                              "a writable directory: ") and err.count("\n") == 1, err
+        with pytest.raises(KVRagError, match=f"kvrag keeps its files in {home} "):
+            KVEngine.from_pretrained(str(model_dir), home=home)
+    for missing in (tmp_path / "nonexistent", "./models/nowhere", "~/no-such-model.gguf"):
+        assert main(["--model", str(missing), "--home", str(tmp_path / "home"), "index", str(docs / "a.txt")]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"kvrag: error: no model at {Path(missing).expanduser()}: ") and err.count("\n") == 1, err
 
 
 # ---- the passage index in a Chroma server (`chroma run`), on a tiny model ------------------------------

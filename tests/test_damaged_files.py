@@ -180,6 +180,19 @@ def test_a_damaged_converted_model_is_converted_again_from_its_gguf(tiny_gguf, t
     assert not [w for w in caught if "damaged" in str(w.message)]  # the rebuilt directory loads without a word
 
 
+def test_the_first_load_says_it_converts_in_two_lines_and_no_load_shows_a_progress_bar(tiny_gguf, tmp_path, capfd):
+    home = tmp_path / "home"
+    KVEngine.from_pretrained(str(tiny_gguf), device="cpu", home=home)
+    said = capfd.readouterr().err.splitlines()
+    converting = [line for line in said if "convert" in line]
+    assert len(converting) == 2 and converting[0].startswith(f"kvrag: converting {tiny_gguf.name} to safetensors")
+    assert re.fullmatch(rf"kvrag: converted {re.escape(tiny_gguf.name)} in \d+ s", converting[1])
+    KVEngine.from_pretrained(str(tiny_gguf), device="cpu", home=home)
+    again = capfd.readouterr().err
+    assert not [line for line in said + again.splitlines() if "%|" in line or "Loading" in line], said
+    assert "convert" not in again
+
+
 @pytest.mark.parametrize("damage", ["truncated weights", "chat template not jinja"])
 def test_kvrag_index_rebuilds_a_damaged_converted_model_and_says_so_in_one_line(tiny_gguf, notes, tmp_path, damage):
     home = tmp_path / "home"

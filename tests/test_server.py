@@ -90,6 +90,19 @@ def test_the_default_model_name_is_the_model_directory(engine):
     engine.model.name_or_path = "/models/SmolLM2-135M-Instruct"
     with running_server(create_app(engine)) as url:
         assert httpx.get(f"{url}/v1/models").json()["data"][0]["id"] == "SmolLM2-135M-Instruct"
+    engine.model.name_or_path = "/home/kvrag/models/SmolLM2-135M-Instruct.Q4_1-b179c9523d0e6a0f"  # converted
+    with running_server(create_app(engine)) as url:
+        assert httpx.get(f"{url}/v1/models").json()["data"][0]["id"] == "SmolLM2-135M-Instruct.Q4_1"
+
+
+def test_served_model_names(engine):
+    """As vLLM's --served-model-name: the first is the id listed, every one is answered to."""
+    with running_server(create_app(engine, model_name=["smollm", "gpt-3.5-turbo"])) as url:
+        client = httpx.Client(base_url=url, timeout=60)
+        assert [m["id"] for m in client.get("/v1/models").json()["data"]] == ["smollm"]
+        for name in ("smollm", "gpt-3.5-turbo"):
+            assert chat(client, model=name).json()["model"] == "smollm"
+        assert_error(chat(client, model="kvrag"), 404, code="model_not_found")
 
 
 @pytest.mark.parametrize(
@@ -272,6 +285,36 @@ def test_streaming_sends_openai_chunks_and_done(server, engine, include_usage):
     assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == expected.text
 
 
+def test_completions_complete_the_prompt_as_it_is(server, engine):
+    """/v1/completions (the legacy API): no chat template; reuse, usage and errors as chat's."""
+    engine.index([PASSAGE])
+    prompt = f"{PASSAGE}\n\nQuestion: {QUESTION}\nAnswer:"
+    engine.generate_text(prompt, max_new_tokens=1)  # the text before the passage, stored as chat's reference does
+    expected = engine.generate_text(prompt, max_new_tokens=8)
+    body = {"model": "kvrag", "prompt": prompt, "max_tokens": 8}
+    completion = server.post("/v1/completions", json=body).json()
+    assert completion["object"] == "text_completion" and completion["id"].startswith("cmpl-")
+    [choice] = completion["choices"]
+    assert choice["text"] == expected.text and choice["finish_reason"] in ("stop", "length")
+    assert completion["usage"]["prompt_tokens"] == expected.prompt_tokens
+    assert completion["usage"]["prompt_tokens_details"]["cached_tokens"] == expected.reused_tokens > 0
+    assert server.post("/v1/completions", json={**body, "prompt": [prompt]}).json()["choices"][0]["text"] == expected.text
+    with server.stream("POST", "/v1/completions", json={**body, "stream": True,
+                                                        "stream_options": {"include_usage": True}}) as response:
+        events = sse_events(response)
+    assert events[-1] == "[DONE]"
+    *chunks, last = events[:-1]
+    assert all(c["object"] == "text_completion" for c in events[:-1])
+    assert "".join(c["choices"][0]["text"] for c in chunks) == expected.text
+    assert chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length")
+    assert last["choices"] == [] and last["usage"]["prompt_tokens_details"]["cached_tokens"] == expected.reused_tokens
+    assert_error(server.post("/v1/completions", json={**body, "prompt": [prompt, prompt]}), 400, param="prompt")
+    assert_error(server.post("/v1/completions", json={**body, "echo": True}), 400, code="unsupported_parameter")
+    assert_error(server.post("/v1/completions", json={**body, "max_tokens": 10**9}), 400,
+                 code="context_length_exceeded", param="max_tokens")
+    assert_error(server.post("/v1/completions", json={"model": "kvrag"}), 400, param="prompt")
+
+
 class EndlessStream:
     """An answer that never ends until cancelled, as the engine's stream is consumed asynchronously."""
 
@@ -409,10 +452,11 @@ def test_kvrag_serve_wires_its_options(monkeypatch, capsys):
     monkeypatch.setattr(server_module, "create_app", record("app", "the app"))
     monkeypatch.setattr(uvicorn, "run", record("run", None))
     monkeypatch.setenv("KVRAG_API_KEY", "from-env")
-    assert cli.main(["serve", "--mode", "full", "--port", "9001", "--max-queue", "3"]) == 0
+    assert cli.main(["serve", "--mode", "full", "--port", "9001", "--max-queue", "3",
+                     "--served-model-name", "smollm", "gpt-3.5-turbo"]) == 0
     assert calls["engine"][1] == {"max_batch": 16, "max_queue": 3}
     assert calls["app"] == ("the engine", {"api_key": "from-env", "default_mode": "full", "max_request_bytes": None,
-                                           "max_passages": 256})
+                                           "max_passages": 256, "model_name": ["smollm", "gpt-3.5-turbo"]})
     assert calls["run"] == ("the app", {"host": "127.0.0.1", "port": 9001, "log_level": "info"})
     assert "http://127.0.0.1:9001/v1 (API key required)" in capsys.readouterr().err
     assert cli.main(["serve", "--api-key", "k"]) == 0 and calls["app"][1]["api_key"] == "k"
@@ -658,6 +702,24 @@ def test_llamaindex_openai_like_chat_and_stream_chat(served, corpus, default_eng
     assert any(a in expected.text.lower() for a in answers), expected.text
     deltas = [r.delta for r in llm.stream_chat(chat_messages) if r.delta]
     assert len(deltas) > 1 and "".join(deltas) == expected.text
+
+
+@pytest.mark.e2e
+def test_llamaindex_openai_like_completes_through_the_legacy_api(served, corpus, default_engine):
+    """OpenAILike's default (is_chat_model=False) sends the text-QA prompt to /v1/completions as it is."""
+    from llama_index.core.prompts.default_prompts import DEFAULT_TEXT_QA_PROMPT
+    from llama_index.llms.openai_like import OpenAILike
+
+    url, model = served
+    _, _, chosen, question, _ = rag_request(corpus, 4)
+    text = DEFAULT_TEXT_QA_PROMPT.format(context_str="\n\n".join(chosen), query_str=question)
+    default_engine.generate_text(text, mode="block", max_new_tokens=1)  # the text before the passages, stored
+    expected = default_engine.generate_text(text, mode="block", max_new_tokens=48)
+    llm = OpenAILike(api_base=f"{url}/v1", model=model, api_key=KEY, temperature=0, max_tokens=48)
+    completion = llm.complete(text)
+    assert completion.text == expected.text and expected.reused_tokens > 0
+    assert completion.raw.usage.prompt_tokens_details.cached_tokens == expected.reused_tokens
+    assert "".join(r.delta for r in llm.stream_complete(text) if r.delta) == expected.text
 
 
 @pytest.mark.e2e

@@ -26,7 +26,7 @@ from .decode import Generation, GenerationResult, GenerationStream, Prefiller, S
 from .errors import ContextOverflowError, EmptyInputError, UnknownBlockError
 from .locks import file_lock
 from .match import PassageMatcher
-from .paths import kvrag_home
+from .paths import kvrag_home, writable_home
 from .prompt import Prompt, PromptFormat, PromptLayout, check_text
 from .remote import Remote, shared_secret
 from .scheduler import Scheduler
@@ -78,7 +78,7 @@ class KVEngine:
         self.layout = PromptLayout(tokenizer, prompt_format)
         self.fingerprint = fingerprint or loading.fingerprint(model, tokenizer)
         self.home = Path(home) if home is not None else kvrag_home()
-        root = self.home / "kv" / self.fingerprint[:16] if persist else None
+        root = writable_home(self.home) / "kv" / self.fingerprint[:16] if persist else None
         remote = remote if remote is not None else os.environ.get("KVRAG_REMOTE") or None
         secret = shared_secret(secret, remote=remote if isinstance(remote, str) else remote and remote.url)
         self.remote = Remote(remote) if isinstance(remote, str) else remote

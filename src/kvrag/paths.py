@@ -6,7 +6,7 @@ import shutil
 import uuid
 from pathlib import Path
 
-from .errors import DiskFullError
+from .errors import DiskFullError, KVRagError
 
 FULL = (errno.ENOSPC, errno.EDQUOT)
 """What a write fails with when the disk (or the user's quota) has no room for it."""
@@ -14,6 +14,23 @@ FULL = (errno.ENOSPC, errno.EDQUOT)
 
 def kvrag_home() -> Path:
     return Path(os.environ.get("KVRAG_HOME") or Path.home() / ".cache" / "kvrag").expanduser()
+
+
+def writable_home(home: Path) -> Path:
+    """`home`, made if need be, once a file could be written in it; else one line naming it (chromadb's and
+    torch's own errors on an unusable directory run to tracebacks that do not)."""
+    home = Path(home)
+    try:
+        home.mkdir(parents=True, exist_ok=True)
+        probe = home / f".probe-{os.getpid()}-{uuid.uuid4().hex}"
+        probe.touch()
+        probe.unlink()
+    except OSError as exc:
+        if exc.errno in FULL:
+            raise disk_full(exc, home, 0) from exc
+        raise KVRagError(f"kvrag keeps its files in {home} (KVRAG_HOME or --home), which is not a writable "
+                         f"directory: {exc.strerror or exc}") from exc
+    return home
 
 
 def size_text(n: int) -> str:

@@ -239,7 +239,10 @@ class Embedder:
     def __init__(self, path: str | Path | None = None, device: str = "cpu"):
         from sentence_transformers import SentenceTransformer
 
-        self.model = SentenceTransformer(str(path or embedding_model_path()), device=device, local_files_only=True)
+        from .loading import quietly
+
+        with quietly():
+            self.model = SentenceTransformer(str(path or embedding_model_path()), device=device, local_files_only=True)
 
     def embed(self, texts: list[str]) -> list[list[float]]:
         return self.model.encode(list(texts), normalize_embeddings=True, convert_to_numpy=True).tolist()

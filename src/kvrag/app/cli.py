@@ -48,9 +48,9 @@ def _engine(args, **options):
 
 
 def _home(args) -> Path:
-    from kvrag.paths import kvrag_home
+    from kvrag.paths import kvrag_home, writable_home
 
-    return Path(args.home) if args.home else kvrag_home()
+    return writable_home(Path(args.home) if args.home else kvrag_home())
 
 
 def _chroma(args, embedded: bool = True) -> str | Path | None:
@@ -66,10 +66,19 @@ def _chroma(args, embedded: bool = True) -> str | Path | None:
 
 
 def _read(files) -> dict:
-    """Every file's text, read (and checked for UTF-8) before anything is loaded or written."""
+    """Every file's text, read (and checked for UTF-8) before anything is loaded or written; empty ones
+    left out, named in one line (an error if every one is)."""
+    from kvrag.errors import EmptyInputError
+
     from .split import read_text
 
-    return {f: read_text(f) for f in files}
+    texts = {f: read_text(f) for f in files}
+    empty = [str(f) for f, text in texts.items() if not text.strip()]
+    if empty and len(empty) == len(texts):
+        raise EmptyInputError(f"nothing to index: {', '.join(empty)} {'is' if len(empty) == 1 else 'are'} empty")
+    if empty:
+        warnings.warn(f"kvrag: skipping empty file{'s' if len(empty) > 1 else ''} {', '.join(empty)}", stacklevel=2)
+    return {f: text for f, text in texts.items() if text.strip()}
 
 
 def _passages(encode, texts: dict, max_tokens: int):
@@ -133,7 +142,7 @@ def cmd_index(args):
         encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
         passages, _ = _passages(encode, texts, args.max_tokens)
         _send_passages(args.server, _api_key(args), passages)
-        print(f"indexed {len(passages)} passages from {len(files)} files on {args.server}")
+        print(f"indexed {len(passages)} passages from {len(texts)} files on {args.server}")
         return
     chroma = _chroma(args)
     index = PassageIndex(chroma)  # a Chroma server that does not answer: refused before any work
@@ -141,7 +150,7 @@ def cmd_index(args):
     passages, sources = _passages(engine.layout.encode, texts, args.max_tokens)
     engine.index(passages)  # its progress bar shows how many were newly encoded
     index.add(passages, sources)
-    print(f"indexed {len(passages)} passages from {len(files)} files"
+    print(f"indexed {len(passages)} passages from {len(texts)} files"
           f"{f' into Chroma at {chroma}' if isinstance(chroma, str) else ''}")
 
 
@@ -182,7 +191,8 @@ def cmd_serve(args):
         index = PassageIndex(chroma)
         options.update(passage_index=index, embedder=index.embedder)
     engine = _engine(args, max_batch=args.max_batch, max_queue=args.max_queue)
-    app = create_app(engine, api_key=_api_key(args), default_mode=args.mode, **options)
+    app = create_app(engine, api_key=_api_key(args), default_mode=args.mode, model_name=args.served_model_name,
+                     **options)
     print(f"kvrag: OpenAI-compatible API on http://{args.host}:{args.port}/v1"
           f"{' (API key required)' if _api_key(args) else ''}{f'; passages in Chroma at {chroma}' if chroma else ''}",
           file=sys.stderr)
@@ -659,6 +669,9 @@ def build_parser(finetune_config: dict | None = None) -> argparse.ArgumentParser
                                      "(default: $KVRAG_API_KEY, else none: open to whoever reaches the port)")
     p.add_argument("--mode", choices=MODES, help="mode of requests that name none, a request's kvrag.mode "
                                                  "choosing its own (default: full)")
+    p.add_argument("--served-model-name", nargs="+", metavar="NAME",
+                   help="the model id /v1/models lists and requests send; more names are answered to as well "
+                        "(default: the model directory's name, for the default model SmolLM2-135M-Instruct.Q4_1)")
     p.add_argument("--max-batch", type=int, default=16, help="requests whose decode steps run together")
     p.add_argument("--max-queue", type=int, default=256, help="requests that may wait; more are refused with 429")
     p.add_argument("--max-request-bytes", type=int, help="largest request body taken, 400 beyond, checked as it "
@@ -840,11 +853,7 @@ def main(argv=None) -> int:
         except KVRagError as exc:
             print(f"kvrag: error: {exc}", file=sys.stderr)
             return 2
-    from transformers.utils import logging as hf_logging
-
     warnings.formatwarning = _warning_line
-
-    hf_logging.disable_progress_bar()  # weight-loading bars on every start are noise on a terminal
     try:
         args.func(args)
     except (KVRagError, FileNotFoundError, ValueError) as exc:

@@ -2,13 +2,14 @@
 
 An OpenAI client (the `openai` package, LangChain's ChatOpenAI, LlamaIndex's OpenAILike) reaches kvrag
 by changing its base URL. Chat messages are rendered with the model's chat template and the indexed
-passages found in the text reuse their KV, as `engine.generate_text` does in process; the reuse shows
-in `usage.prompt_tokens_details.cached_tokens`. Passages are indexed over HTTP (`POST /v1/passages`,
-kvrag's own endpoint) and `/v1/embeddings` serves the packaged all-MiniLM-L6-v2, so one server backs
-both halves of an OpenAI-style RAG app. Given a passage index (`kvrag serve --chroma URL`), the
-server also keeps the passages it indexes there and retrieves from it (`POST /v1/passages/search`);
-replicas given the same Chroma server share it. Every error has OpenAI's JSON shape, so the clients
-raise their usual exceptions.
+passages found in the text reuse their KV, as `engine.generate_text` does in process; the reuse shows in
+`usage.prompt_tokens_details.cached_tokens`. `/v1/completions` completes a prompt string as it is (no
+template), for clients of the legacy API (LlamaIndex's OpenAILike unless `is_chat_model=True`). Passages
+are indexed over HTTP (`POST /v1/passages`, kvrag's own endpoint) and `/v1/embeddings` serves the
+packaged all-MiniLM-L6-v2, so one server backs both halves of an OpenAI-style RAG app. Given a passage
+index (`kvrag serve --chroma URL`), the server also keeps the passages it indexes there and retrieves
+from it (`POST /v1/passages/search`); replicas given the same Chroma server share it. Every error has
+OpenAI's JSON shape, so the clients raise their usual exceptions.
 
 Defaults where a request names nothing: greedy decoding (temperature 0, so the answer is the
 in-process engine's) and at most `DEFAULT_MAX_TOKENS` tokens. With an API key set, every path but
@@ -22,12 +23,14 @@ next token waits for.
 
 import base64
 import json
+import re
 import secrets
 import threading
 import time
 import uuid
 from contextlib import contextmanager
 from dataclasses import replace
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -72,6 +75,9 @@ _UNSUPPORTED = {  # OpenAI parameters asking for what kvrag cannot do: refused, 
     "audio": bool,
     "response_format": lambda v: not (isinstance(v, dict) and v.get("type") == "text"),
     "modalities": lambda v: v != ["text"],
+    "echo": bool,  # /v1/completions's
+    "suffix": bool,
+    "best_of": lambda v: v != 1,
 }
 
 
@@ -151,11 +157,12 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class ChatRequest(BaseModel):
+class _Generation(BaseModel):
+    """What /v1/chat/completions and /v1/completions share."""
+
     model_config = ConfigDict(extra="allow")  # OpenAI's other parameters: ignored unless in _UNSUPPORTED
 
     model: str | None = None
-    messages: list[Message] = Field(min_length=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
     max_tokens: int | None = Field(default=None, ge=1)
@@ -166,6 +173,16 @@ class ChatRequest(BaseModel):
     stop: str | list[str] | None = None
     n: int | None = None
     kvrag: KVRagOptions | None = None
+
+
+class ChatRequest(_Generation):
+    messages: list[Message] = Field(min_length=1)
+
+
+class CompletionRequest(_Generation):
+    """The legacy completions API's body: the prompt completed as it is, no chat template applied."""
+
+    prompt: str | list[str] = Field(min_length=1)
 
 
 class EmbeddingsRequest(BaseModel):
@@ -290,7 +307,7 @@ class Gate:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         endpoint, status = self._endpoint(scope), 500
-        active = endpoint == "/v1/chat/completions"
+        active = endpoint in ("/v1/chat/completions", "/v1/completions")
 
         async def sending(message):
             nonlocal status
@@ -332,16 +349,18 @@ class Gate:
 # ---- the app --------------------------------------------------------------------------------------------
 
 
-def create_app(engine, *, api_key: str | None = None, model_name: str | None = None, default_mode: str | None = None,
+def create_app(engine, *, api_key: str | None = None, model_name: str | Sequence[str] | None = None,
+               default_mode: str | None = None,
                embedder=None, passage_index=None, max_request_bytes: int | None = None,
                max_passages: int = MAX_PASSAGES) -> FastAPI:
-    """The HTTP API over `engine`. `model_name`: the id clients send and /v1/models lists (default: the
-    model's directory name). `default_mode`: the mode of requests that name none (default: the engine's
-    `default_mode`). `embedder`: what /v1/embeddings runs, with `embed(texts)` and `count_tokens(texts)` (default: the packaged MiniLM,
-    loaded on first use). `passage_index`: a `kvrag.retrieval.PassageIndex` that /v1/passages also stores the
-    passages in and /v1/passages/search retrieves from (default: none, and no search).
-    `max_request_bytes`: the largest body taken, 400 beyond (default: `default_max_request_bytes`);
-    `max_passages`: the most passages one /v1/passages call may carry, 400 beyond."""
+    """The HTTP API over `engine`. `model_name`: the id clients send and /v1/models lists, or several the server
+    answers to, the first listed (default: `default_model_name`). `default_mode`: the mode of requests that
+    name none (default: the engine's `default_mode`). `embedder`: what /v1/embeddings runs, with
+    `embed(texts)` and `count_tokens(texts)` (default: the packaged MiniLM, loaded on first use).
+    `passage_index`: a `kvrag.retrieval.PassageIndex` that /v1/passages also stores the passages in and
+    /v1/passages/search retrieves from (default: none, and no search). `max_request_bytes`: the largest body
+    taken, 400 beyond (default: `default_max_request_bytes`); `max_passages`: the most passages one
+    /v1/passages call may carry, 400 beyond."""
     default_mode = default_mode or engine.default_mode
     if default_mode not in MODES:
         raise ValueError(f"default_mode must be one of {MODES}, got {default_mode!r}")
@@ -350,7 +369,8 @@ def create_app(engine, *, api_key: str | None = None, model_name: str | None = N
     if max_request_bytes < 1 or max_passages < 1:
         raise ValueError(f"max_request_bytes and max_passages must be >= 1, got {max_request_bytes}, {max_passages}")
     window, most_chars = engine.context_window, prompt_char_limit(engine)
-    name = model_name or Path(engine.model.name_or_path).name or "kvrag"
+    names = (model_name,) if isinstance(model_name, str) else tuple(model_name or ()) or (default_model_name(engine),)
+    name = names[0]
     created = int(time.time())
     fingerprint = f"fp_{engine.fingerprint[:12]}"
     metrics = Metrics(engine)
@@ -382,7 +402,7 @@ def create_app(engine, *, api_key: str | None = None, model_name: str | None = N
     async def server_error(request, exc: Exception):
         return APIError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error").response()
 
-    def check_model(model: str | None, served: tuple[str, ...] = (name,)) -> None:
+    def check_model(model: str | None, served: tuple[str, ...] = names) -> None:
         if model is not None and model not in served:
             raise APIError(404, f"The model '{model}' does not exist: this server serves '{served[0]}'.",
                            param="model", code="model_not_found")
@@ -416,6 +436,19 @@ def create_app(engine, *, api_key: str | None = None, model_name: str | None = N
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest, request: Request):
+        return await generate(body, request, lambda: _render(engine, body.messages), "messages", chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
+        if len(prompts) != 1:
+            raise APIError(400, f"prompt must be one string: kvrag completes one prompt per request, got "
+                                f"{len(prompts)}", param="prompt")
+        return await generate(body, request, lambda: prompts[0], "prompt", chat=False)
+
+    async def generate(body: _Generation, request: Request, render, param: str, chat: bool):
+        """Answer a chat (`chat`) or a text completion request: the prompt `render()` makes, completed by the
+        engine, as OpenAI's objects of that kind."""
         check_model(body.model)
         refused = [k for k, asks in _UNSUPPORTED.items() if (body.model_extra or {}).get(k) is not None
                    and asks(body.model_extra[k])]
@@ -450,15 +483,23 @@ def create_app(engine, *, api_key: str | None = None, model_name: str | None = N
         def submit():
             """The template, the tokenizer and the passage matching take time in proportion to the prompt: on
             a pool thread, where neither the event loop nor the scheduler's worker waits for them."""
-            text = _render(engine, body.messages)
-            check_chars(text, "messages", "The prompt")
+            text = render()
+            check_chars(text, param, "The prompt")
             with _engine_errors():
                 return engine.stream_text(text, None, **options)
 
         stream = await run_in_threadpool(submit)
         deltas = aiter(stream)  # read on the event loop; closing it early cancels the generation
-        head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": name,
-                "system_fingerprint": fingerprint}
+        head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", "created": int(time.time()),
+                "model": name, "system_fingerprint": fingerprint}
+        kind = "chat.completion" if chat else "text_completion"
+
+        def choice(text: str, finish_reason=None, first: bool = False) -> dict:
+            """A streamed choice: chat's delta (the role first, nothing with the finish reason), or the text."""
+            if not chat:
+                return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+            delta = {} if finish_reason else {"role": "assistant", "content": text} if first else {"content": text}
+            return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
 
         if not body.stream:
             with _engine_errors():
@@ -467,29 +508,30 @@ def create_app(engine, *, api_key: str | None = None, model_name: str | None = N
                         stream.cancel()
             result = stream.result
             metrics.record(result)
-            choice = {"index": 0, "message": {"role": "assistant", "content": result.text, "refusal": None},
-                      "logprobs": None, "finish_reason": _finish_reason(result)}
-            return {**head, "object": "chat.completion", "choices": [choice], "usage": _usage(result),
-                    "kvrag": _stats(result)}
+            answer = ({"message": {"role": "assistant", "content": result.text, "refusal": None}} if chat
+                      else {"text": result.text})
+            answered = {"index": 0, **answer, "logprobs": None, "finish_reason": _finish_reason(result)}
+            return {**head, "object": kind, "choices": [answered], "usage": _usage(result), "kvrag": _stats(result)}
 
         # the status is decided before any header is sent: the first delta (or the end) comes first
         with _engine_errors():
             first = await anext(deltas, None)
         usage = body.stream_options is not None and body.stream_options.include_usage
+        kind = f"{kind}.chunk" if chat else kind
 
-        def chunk(delta: dict, finish_reason=None, **extra) -> bytes:
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-            payload = {**head, "object": "chat.completion.chunk", "choices": [choice], **extra}
+        def chunk(part: dict, **extra) -> bytes:
+            payload = {**head, "object": kind, "choices": [part], **extra}
             return _sse({**payload, "usage": None} if usage else payload)
 
         async def events():
             try:
-                yield chunk({"role": "assistant", "content": ""})
+                if chat:
+                    yield chunk(choice("", first=True))
                 with _engine_errors():
                     if first is not None:
-                        yield chunk({"content": first})
+                        yield chunk(choice(first))
                         async for delta in deltas:
-                            yield chunk({"content": delta})
+                            yield chunk(choice(delta))
             except APIError as exc:  # after the headers: the error goes as an event, as OpenAI sends it
                 yield _sse(exc.body)
                 yield _DONE
@@ -498,9 +540,9 @@ def create_app(engine, *, api_key: str | None = None, model_name: str | None = N
                 await deltas.aclose()  # a stream not read to the end is cancelled
             result = stream.result
             metrics.record(result)
-            yield chunk({}, _finish_reason(result), kvrag=_stats(result))
+            yield chunk(choice("", _finish_reason(result)), kvrag=_stats(result))
             if usage:
-                yield _sse({**head, "object": "chat.completion.chunk", "choices": [], "usage": _usage(result)})
+                yield _sse({**head, "object": kind, "choices": [], "usage": _usage(result)})
             yield _DONE
 
         return _EventStream(events(), headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -571,6 +613,12 @@ def create_app(engine, *, api_key: str | None = None, model_name: str | None = N
                 "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
 
     return app
+
+
+def default_model_name(engine) -> str:
+    """The model directory's name, less the digest a model converted from GGUF carries in it
+    ("SmolLM2-135M-Instruct.Q4_1-b179c9523d0e6a0f" is served as "SmolLM2-135M-Instruct.Q4_1")."""
+    return re.sub(r"-[0-9a-f]{16}$", "", Path(engine.model.name_or_path).name) or "kvrag"
 
 
 def default_max_request_bytes(context_window: int) -> int:
