@@ -109,6 +109,14 @@ def test_the_defaults_written_in_the_cli_are_the_harness_defaults():
     trained = asdict(TrainConfig())
     assert cli.TRAIN_DEFAULTS == {key: trained[key] for key in cli.TRAIN_DEFAULTS}
     assert cli.TRAIN_TEACHERS == TEACHERS
+    from typing import get_args
+
+    from kvrag import MODES, BlendConfig
+    from kvrag.engine import ADAPTER_SCOPES, BLOCK_CONTEXTS
+
+    assert (cli.MODES, cli.ADAPTER_SCOPES, cli.BLOCK_CONTEXTS) == (MODES, ADAPTER_SCOPES, BLOCK_CONTEXTS)
+    assert cli.BLEND_SELECT[0] == BlendConfig.select and set(cli.BLEND_SELECT) == set(
+        get_args(BlendConfig.__annotations__["select"]))
 
 
 @pytest.mark.parametrize(
@@ -278,6 +286,22 @@ def test_errors_a_user_can_cause_are_one_line_naming_the_path(tmp_path, saved_mo
         assert err.startswith(f"kvrag: error: no model at {Path(missing).expanduser()}: ") and err.count("\n") == 1, err
 
 
+def test_argument_and_path_errors_come_before_torch_is_imported(tmp_path):
+    code = (
+        "import sys\n"
+        "from kvrag.app.cli import main\n"
+        f"codes = [main(['--model', {str(tmp_path / 'nowhere')!r}, 'ask', 'Who?']), main(['index', {str(tmp_path)!r}])]\n"
+        "try:\n"
+        "    main(['ask', 'Who?', '--mode', 'fast'])\n"
+        "except SystemExit as exc:\n"
+        "    codes.append(exc.code)\n"
+        "print(codes, 'torch' in sys.modules)\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert run.stdout.strip() == "[2, 2, 2] False", run.stderr[-3000:]
+    assert "no model at" in run.stderr and "no text files" in run.stderr and "invalid choice: 'fast'" in run.stderr
+
+
 # ---- the passage index in a Chroma server (`chroma run`), on a tiny model ------------------------------
 
 PASSAGES = ["The lighthouse of Varnholm was built in 1873 by the engineer Ilsa Brandt.",
@@ -312,7 +336,7 @@ def test_a_chroma_server_that_does_not_answer_stops_the_cli_before_the_model_loa
     (docs / "a.md").write_text(PASSAGES[0])
     url = f"http://127.0.0.1:{free_port()}"
     for argv in (["index", str(docs)], ["ask", "Who built the lighthouse?"], ["serve"]):
-        assert main(["--model", str(tmp_path / "no-model"), "--chroma", url, *argv]) == 2  # never loaded
+        assert main(["--model", str(tmp_path), "--chroma", url, *argv]) == 2  # never loaded: no model there
         err = capsys.readouterr().err
         assert f"kvrag: error: no Chroma server at {url} (" in err and "chroma run --path DIR --port" in err
     assert main(["--chroma", "localhost:8000", "ask", "Who built the lighthouse?"]) == 2

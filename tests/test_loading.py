@@ -72,6 +72,20 @@ def test_dtype_is_part_of_the_fingerprint_and_a_half_model_answers(saved_model_a
     assert result.reused_tokens > 0 and result.finish_reason in ("stop", "length")
 
 
+def test_loading_warms_up_on_a_request_that_stores_nothing(saved_model_and_adapter, tmp_path, monkeypatch):
+    """The first user's request should not pay for torch's first calls: from_pretrained answers one first."""
+    model_dir, _ = saved_model_and_adapter
+    asked = []
+    generate = KVEngine.generate
+    monkeypatch.setattr(KVEngine, "generate", lambda self, *a, **k: asked.append((a, k)) or generate(self, *a, **k))
+    engine = KVEngine.from_pretrained(str(model_dir), device="cpu", adapter=None, home=tmp_path / "home")
+    assert [k["mode"] for _, k in asked] == ["full"] and asked[0][0][1] == []
+    assert not list((tmp_path / "home" / "kv").rglob("*.safetensors")) and engine.passages.find("Hello") == []
+    asked.clear()
+    KVEngine.from_pretrained(str(model_dir), device="cpu", adapter=None, home=tmp_path / "home", warm_up=False)
+    assert asked == []
+
+
 def test_second_load_does_not_hash_the_weights_again(saved_model_and_adapter, tmp_path, hashes):
     model_dir, adapter_dir = saved_model_and_adapter
     home = tmp_path / "home"

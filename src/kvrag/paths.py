@@ -33,6 +33,17 @@ def writable_home(home: Path) -> Path:
     return home
 
 
+def check_model_path(model: str | os.PathLike | None) -> None:
+    """A model named by a path (absolute, ./ ../ ~, or a .gguf file) that is not there, in one line:
+    transformers would take it for a hub id and say only that it is not one."""
+    if model is None:
+        return
+    text, path = str(model), Path(model).expanduser()
+    if not path.exists() and (path.is_absolute() or text.startswith((".", "~")) or path.suffix == ".gguf"):
+        raise KVRagError(f"no model at {path}: give a model directory, a .gguf file, or leave --model out for "
+                         "the default model")
+
+
 def size_text(n: int) -> str:
     """Bytes for a person: 512 B, 3.4 kB, 1.2 MB, 7.0 GB."""
     for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):

@@ -11,14 +11,17 @@ from langchain_kvrag.chains import (
 )
 from langchain_kvrag.chat_models import ChatKVRag
 from langchain_kvrag.embeddings import KVRagEmbeddings
+from langchain_kvrag.figures import KVRagFigures, kvrag_figures
 from langchain_kvrag.vectorstores import KVRagVectorStore
 
 __all__ = [
     "CHAIN_KINDS",
     "ChatKVRag",
     "KVRagEmbeddings",
+    "KVRagFigures",
     "KVRagVectorStore",
     "kv_blocks_chain",
+    "kvrag_figures",
     "map_reduce_chain",
     "map_rerank_chain",
     "parse_scored_answer",

@@ -7,9 +7,12 @@ KV, every later one reuses it: a plain `Chroma(...).as_retriever()` works, not o
 `KVRagVectorStore` (which still pays that cost ahead, when documents are added).
 
 Documents fetched without a retriever (`vector_store.similarity_search(...)`, as LangChain's current
-RAG tutorial does) run no callback. Those embedded with `KVRagEmbeddings` are learned when they are
-embedded instead (`learn_documents`), by the engines live then and by those created later in the
-process.
+RAG tutorial does) run no callback, but they reach the prompt as its `context` variable (the name
+the hub's rag-prompt, `create_stuff_documents_chain` and the tutorials use): on every run's start, a
+`context` input that is a list of documents, or text (cut at its blank lines, where `"\n\n".join`
+put the documents together), is learned as well, whatever embeddings found it. Those embedded with
+`KVRagEmbeddings` are learned when they are embedded (`learn_documents`), by the engines live then
+and by those created later in the process.
 """
 
 import threading
@@ -60,7 +63,22 @@ class LearnRetrievedDocuments(BaseCallbackHandler):
         for engine in self.engines():
             engine.learn(texts)
 
+    def on_chain_start(self, serialized: Any, inputs: Any, **kwargs: Any) -> None:
+        """A prompt's `context` (or a chain's): the documents it is made of, however they were fetched."""
+        context = inputs.get(CONTEXT) if isinstance(inputs, dict) else None
+        if isinstance(context, str):
+            texts = [part.strip() for part in context.split("\n\n")]
+        elif isinstance(context, list):
+            texts = [d.page_content for d in context if isinstance(d, Document)]
+        else:
+            return
+        texts = [t for t in texts if t]
+        for engine in self.engines() if texts else ():
+            engine.learn(texts)
 
+
+CONTEXT = "context"
+"""The prompt variable that holds the retrieved documents in LangChain's RAG prompts and chains."""
 _KEEP_EMBEDDED = 200_000  # documents kept for engines created later; beyond, only live engines learn them
 _lock = threading.Lock()
 _handler = LearnRetrievedDocuments()

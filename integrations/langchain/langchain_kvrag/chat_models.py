@@ -268,9 +268,10 @@ def _check_reuse(result: GenerationResult, spans, mode: str) -> None:
     warnings.warn(
         f"ChatKVRag: this prompt ({result.prompt_tokens} tokens) held no passage the engine knows, so no KV "
         "was reused and every token was prefilled. Documents are learned when a retriever returns them in "
-        "this process (vector_store.as_retriever() in the chain) or when KVRagEmbeddings embeds them; "
-        "documents from similarity_search() on a store with other embeddings, or written into the prompt by "
-        "hand, are not: add them through KVRagVectorStore or llm.engine.index(texts). (Said once per process.)",
+        "this process (vector_store.as_retriever() in the chain), when a prompt template's 'context' variable "
+        "holds them (as LangChain's RAG prompts do) or when KVRagEmbeddings embeds them; text written into the "
+        "prompt otherwise is not: add it through KVRagVectorStore or llm.engine.index(texts). (Said once per "
+        "process.)",
         stacklevel=3,
     )
 

@@ -16,8 +16,12 @@ import warnings
 from importlib import resources
 from pathlib import Path
 
-from kvrag import MODES, BlendConfig, KVRagError
-from kvrag.engine import ADAPTER_SCOPES, BLOCK_CONTEXTS
+from kvrag.errors import KVRagError
+
+MODES = ("full", "block", "composite", "prefix", "blend", "auto")
+"""kvrag.MODES, and below the engine's and blend's choices the options take, written here so that neither
+`kvrag --help` nor a bad argument waits for torch to be imported."""
+ADAPTER_SCOPES, BLOCK_CONTEXTS, BLEND_SELECT = ("block", "all"), ("none", "prefix"), ("deviation", "attention")
 
 BENCH_METHODS = ("full", "map_reduce", "map_rerank", "block", "blend", "composite")
 """kvrag.eval.accuracy.METHODS: what `bench accuracy` runs by default."""
@@ -104,46 +108,42 @@ def _api_key(args) -> str | None:
     return args.api_key or os.environ.get("KVRAG_API_KEY") or None
 
 
-def _send_passages(url: str, api_key: str | None, passages: list[str], batch: int = 64) -> None:
-    """POST the passages to a running `kvrag serve` (its /v1/passages), a batch at a time."""
-    import urllib.error
-    import urllib.request
+def _answering_options(args) -> dict:
+    """The options that decide the answers: a running server is used for another command only where they agree."""
+    names = ("model", "adapter", "adapter_scope", "dtype", "block_context")
+    return {name: None if getattr(args, name) is None else str(getattr(args, name)) for name in names}
 
-    endpoint = url.rstrip("/").removesuffix("/v1") + "/v1/passages"
-    headers = {"Content-Type": "application/json"}
-    if api_key:
-        headers["Authorization"] = f"Bearer {api_key}"
-    for start in range(0, len(passages), batch):
-        body = json.dumps({"passages": passages[start : start + batch]}).encode()
-        request = urllib.request.Request(endpoint, data=body, headers=headers, method="POST")
-        try:
-            with urllib.request.urlopen(request, timeout=3600) as response:
-                response.read()
-        except urllib.error.HTTPError as exc:
-            try:
-                message = json.loads(exc.read())["error"]["message"]
-            except (ValueError, KeyError, TypeError):
-                message = exc.reason
-            raise KVRagError(f"{endpoint} answered {exc.code}: {message}") from exc
-        except urllib.error.URLError as exc:
-            raise KVRagError(f"cannot reach {endpoint}: {exc.reason}") from exc
+
+def _server(args) -> str | None:
+    """(URL, model options) of `--server`, else of the `kvrag serve` running for this home with the same model
+    options, else None."""
+    from . import client
+
+    if getattr(args, "server", None):
+        return args.server, _answering_options(args)
+    found = client.discover(_home(args))
+    return found if found and found[1] == _answering_options(args) else None
 
 
 def cmd_index(args):
-    from kvrag.retrieval import PassageIndex
     from .split import text_files
 
     files = text_files(args.paths)
     texts = _read(files)
-    if args.server:  # the server computes and keeps the KV; here only the tokenizer, to cut the passages
+    server = _server(args)
+    if server:  # the server computes and keeps the KV; here only the tokenizer, to cut the passages
         from kvrag import loading
+
+        from . import client
 
         tokenizer = _tokenizer(loading.resolve_model_dir(args.model, Path(args.home) if args.home else None))
         encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
         passages, _ = _passages(encode, texts, args.max_tokens)
-        _send_passages(args.server, _api_key(args), passages)
-        print(f"indexed {len(passages)} passages from {len(texts)} files on {args.server}")
+        client.send_passages(server[0], _api_key(args), passages)
+        print(f"indexed {len(passages)} passages from {len(texts)} files on {server[0]}")
         return
+    from kvrag.retrieval import PassageIndex
+
     chroma = _chroma(args)
     index = PassageIndex(chroma)  # a Chroma server that does not answer: refused before any work
     engine = _engine(args)
@@ -154,16 +154,19 @@ def cmd_index(args):
           f"{f' into Chroma at {chroma}' if isinstance(chroma, str) else ''}")
 
 
-def _print_stats(result):
-    hits = ", ".join(f"{k} {v}" for k, v in sorted(result.cache_hits.items())) or "none"
+def _print_stats(result, where: str = ""):
+    hits = ", ".join(f"{k} {v}" for k, v in sorted(result["cache_hits"].items())) or "none"
     print(
-        f"[{result.mode}] TTFT {result.ttft * 1e3:.0f} ms, total {result.total_time:.2f} s, "
-        f"prefilled {result.prefilled_tokens} / reused {result.reused_tokens} tokens, blocks: {hits}",
+        f"[{result['mode']}] TTFT {result['ttft'] * 1e3:.0f} ms, total {result['total_time']:.2f} s, "
+        f"prefilled {result['prefilled_tokens']} / reused {result['reused_tokens']} tokens, blocks: {hits}{where}",
         file=sys.stderr,
     )
 
 
 def cmd_ask(args):
+    server = _server(args)
+    if server:
+        return _ask_server(args, server[0])
     from kvrag.retrieval import PassageIndex
 
     index = PassageIndex(_chroma(args))
@@ -175,28 +178,59 @@ def cmd_ask(args):
     for delta in stream:
         print(delta, end="", flush=True)
     print()
-    _print_stats(stream.result)
+    r = stream.result
+    _print_stats({"mode": r.mode, "ttft": r.ttft, "total_time": r.total_time, "prefilled_tokens": r.prefilled_tokens,
+                  "reused_tokens": r.reused_tokens, "cache_hits": r.cache_hits})
+
+
+def _ask_server(args, url: str):
+    """`ask` through a running `kvrag serve`: its passage index searched, the answer streamed from its chat
+    completions in kvrag's own layout (what `engine.stream` renders in process)."""
+    from kvrag.prompt import PromptFormat
+
+    from . import client
+
+    passages = client.search(url, _api_key(args), args.question, args.top_k)
+    if not passages:
+        raise KVRagError(f"nothing is indexed yet on {url}: run `kvrag index PATH...` first")
+    fmt = PromptFormat()
+    user = fmt.separator.join([*(fmt.passage.format(text=p) for p in passages), fmt.question.format(question=args.question)])
+    options = {"max_tokens": args.max_new_tokens, **({"kvrag": {"mode": args.mode}} if args.mode else {})}
+    for part in client.ask(url, _api_key(args), [{"role": "system", "content": fmt.system},
+                                                  {"role": "user", "content": user}], options):
+        if isinstance(part, str):
+            print(part, end="", flush=True)
+        else:
+            print()
+            _print_stats(part, f" (kvrag serve at {url})")
 
 
 def cmd_serve(args):
     import uvicorn
 
+    from kvrag.retrieval import PassageIndex
+
+    from . import client
     from .server import create_app
 
-    chroma = _chroma(args, embedded=False)
-    options = {"max_request_bytes": args.max_request_bytes, "max_passages": args.max_passages}
-    if chroma is not None:  # replicas given the same server share one passage index
-        from kvrag.retrieval import PassageIndex
-
-        index = PassageIndex(chroma)
-        options.update(passage_index=index, embedder=index.embedder)
+    chroma = _chroma(args)  # replicas given the same Chroma server share one passage index
+    index = PassageIndex(chroma)
+    options = {"max_request_bytes": args.max_request_bytes, "max_passages": args.max_passages,
+               "passage_index": index, "embedder": index.embedder}
     engine = _engine(args, max_batch=args.max_batch, max_queue=args.max_queue)
     app = create_app(engine, api_key=_api_key(args), default_mode=args.mode, model_name=args.served_model_name,
                      **options)
     print(f"kvrag: OpenAI-compatible API on http://{args.host}:{args.port}/v1"
-          f"{' (API key required)' if _api_key(args) else ''}{f'; passages in Chroma at {chroma}' if chroma else ''}",
-          file=sys.stderr)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+          f"{' (API key required)' if _api_key(args) else ''}"
+          f"{f'; passages in Chroma at {chroma}' if isinstance(chroma, str) else ''}", file=sys.stderr)
+    local = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
+    advertised = client.advertise(_home(args), f"http://{local}:{args.port}", _answering_options(args))
+    # on shutdown: uvicorn ends a SIGTERM by raising it again, which no `finally` here would outlive
+    app.router.on_shutdown.append(lambda: client.withdraw(advertised))
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    finally:
+        client.withdraw(advertised)
 
 
 def cmd_demo(args):
@@ -536,6 +570,8 @@ def cmd_finetune(args):
             from_squad = sum(q.id.startswith("squad-") for q in questions)
     questions = with_short_contexts(questions, args.short_share, args.seed)
     layouts = _layouts(args.prompts)
+    from kvrag import BlendConfig
+
     engine = _engine(args, blend=BlendConfig(select=args.blend_select))
     examples = training_examples(engine, questions, config.full_attention_share, config.seed, layouts, config.blend_share)
     print(f"fine-tuning on {len(examples)} train questions x {args.passages} passages "
@@ -619,6 +655,13 @@ _MODEL_OPTIONS = {
 }
 
 
+def _server_options(p: argparse.ArgumentParser, does: str) -> None:
+    p.add_argument("--server", metavar="URL", help=f"a running `kvrag serve` that {does} (default: the one "
+                                                   "`kvrag serve` runs for this home with the same model options, if "
+                                                   "any; else this process)")
+    p.add_argument("--api-key", help="the server's API key (default: $KVRAG_API_KEY, else none)")
+
+
 def _model_options(parser: argparse.ArgumentParser, after_command: bool = False) -> None:
     """The options of the model every command but `kernels` loads. They are accepted before the command
     and after it; after it they take no default, so that they never undo one given before."""
@@ -646,9 +689,8 @@ def build_parser(finetune_config: dict | None = None) -> argparse.ArgumentParser
     p = _command(sub, "index", "split text/markdown files into passages and precompute their KV")
     p.add_argument("paths", nargs="+", help="text files, or directories searched for .txt/.md/.markdown/.rst files")
     p.add_argument("--max-tokens", type=int, default=200, help="longest passage in tokens")
-    p.add_argument("--server", help="URL of a running `kvrag serve` that computes and keeps the passages' KV "
-                                    "instead of this process; nothing is stored here (default: none)")
-    p.add_argument("--api-key", help="the server's API key (default: $KVRAG_API_KEY, else none)")
+    _server_options(p, "computes and keeps the passages' KV and stores them in its passage index instead of this "
+                       "process")
     p.set_defaults(func=cmd_index)
 
     p = _command(sub, "ask", "answer a question from the indexed passages")
@@ -660,6 +702,7 @@ def build_parser(finetune_config: dict | None = None) -> argparse.ArgumentParser
                         "run, composite keeps encode positions (default: full; docs/accuracy.md says why)")
     p.add_argument("--top-k", type=int, default=4, help="passages retrieved for the question")
     p.add_argument("--max-new-tokens", type=int, default=128, help="longest answer in tokens")
+    _server_options(p, "searches its passage index and answers, the model loaded there once for every question")
     p.set_defaults(func=cmd_ask)
 
     p = _command(sub, "serve", "an OpenAI-compatible HTTP API: chat completions reusing passages' KV, embeddings")
@@ -740,7 +783,7 @@ def build_parser(finetune_config: dict | None = None) -> argparse.ArgumentParser
     p.add_argument("--blend-share", type=float, default=TRAIN_DEFAULTS["blend_share"],
                    help="share of the block-attention examples trained in blend mode's attention (the 15%% of "
                         "passage tokens blend recomputes see across passages), so that blend mode is tuned too")
-    p.add_argument("--blend-select", choices=("deviation", "attention"), default=BlendConfig.select,
+    p.add_argument("--blend-select", choices=BLEND_SELECT, default=BLEND_SELECT[0],
                    help="how those examples choose the tokens blend recomputes: as the engine does by default "
                         "(CacheBlend's deviation) or by the question's attention (BlendConfig.select)")
     p.add_argument("--config", metavar="FILE",
@@ -855,6 +898,10 @@ def main(argv=None) -> int:
             return 2
     warnings.formatwarning = _warning_line
     try:
+        if getattr(args, "model", None):
+            from kvrag.paths import check_model_path
+
+            check_model_path(args.model)  # before torch is imported, as argparse's own errors are
         args.func(args)
     except (KVRagError, FileNotFoundError, ValueError) as exc:
         print(f"kvrag: error: {exc}", file=sys.stderr)

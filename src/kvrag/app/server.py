@@ -7,8 +7,8 @@ passages found in the text reuse their KV, as `engine.generate_text` does in pro
 template), for clients of the legacy API (LlamaIndex's OpenAILike unless `is_chat_model=True`). Passages
 are indexed over HTTP (`POST /v1/passages`, kvrag's own endpoint) and `/v1/embeddings` serves the
 packaged all-MiniLM-L6-v2, so one server backs both halves of an OpenAI-style RAG app. Given a passage
-index (`kvrag serve --chroma URL`), the server also keeps the passages it indexes there and retrieves
-from it (`POST /v1/passages/search`); replicas given the same Chroma server share it. Every error has
+index (`kvrag serve`: the home's, or `--chroma URL`'s), the server also keeps the passages it indexes
+there and retrieves from it (`POST /v1/passages/search`); replicas given the same Chroma server share it. Every error has
 OpenAI's JSON shape, so the clients raise their usual exceptions.
 
 Defaults where a request names nothing: greedy decoding (temperature 0, so the answer is the
@@ -358,7 +358,8 @@ def create_app(engine, *, api_key: str | None = None, model_name: str | Sequence
     name none (default: the engine's `default_mode`). `embedder`: what /v1/embeddings runs, with
     `embed(texts)` and `count_tokens(texts)` (default: the packaged MiniLM, loaded on first use).
     `passage_index`: a `kvrag.retrieval.PassageIndex` that /v1/passages also stores the passages in and
-    /v1/passages/search retrieves from (default: none, and no search). `max_request_bytes`: the largest body
+    /v1/passages/search retrieves from (default: none, and no search; `kvrag serve` gives it the home's or
+    `--chroma`'s). `max_request_bytes`: the largest body
     taken, 400 beyond (default: `default_max_request_bytes`); `max_passages`: the most passages one
     /v1/passages call may carry, 400 beyond."""
     default_mode = default_mode or engine.default_mode
@@ -578,8 +579,8 @@ def create_app(engine, *, api_key: str | None = None, model_name: str | Sequence
     async def search(body: SearchRequest):
         """kvrag's own: the `top_k` stored passages nearest the query (all-MiniLM-L6-v2, cosine)."""
         if passage_index is None:
-            raise APIError(404, "this server keeps no passage index: start it with `kvrag serve --chroma URL`",
-                           code="no_passage_index")
+            raise APIError(404, "this server keeps no passage index: create_app(passage_index=...) gives it one, "
+                                "as `kvrag serve` does", code="no_passage_index")
         with _chroma_errors():
             found = await run_in_threadpool(passage_index.search, body.query, body.top_k)
         return {"object": "list", "data": [{"object": "passage", "text": text} for text in found],

@@ -93,6 +93,39 @@ def test_todays_tutorial_with_similarity_search_reuses_from_the_second_question(
     assert llm.engine.passages.find(store.similarity_search("Olm", k=1)[0].page_content)  # learned text, found
 
 
+@pytest.mark.parametrize("context", ["joined", "documents"])
+def test_todays_tutorial_with_other_embeddings_reuses_from_the_second_question(engine, context):
+    """The same tutorial on a store with the user's own embeddings (nothing of kvrag's finds the documents):
+    the prompt's `context` variable, text joined at blank lines or documents, is learned as it is formatted."""
+    from kvrag.eval.layouts import LAYOUTS
+    from langchain_core.embeddings import DeterministicFakeEmbedding
+
+    tag = uuid.uuid4().hex[:6]
+    llm = ChatKVRag(engine=engine, max_tokens=4)
+    store = Chroma(collection_name=f"own-{tag}", embedding_function=DeterministicFakeEmbedding(size=32))
+    store.add_documents(
+        [
+            Document(page_content=f"The Varnholm lighthouse ({tag}) was built in 1873 by the engineer Ilsa Brandt."),
+            Document(page_content=f"The river Olm ({tag}) freezes every winter,\n\nand the ferry stops until March."),
+        ]
+    )
+    prompt = ChatPromptTemplate.from_messages([("human", LAYOUTS["langchain-rag-prompt"].user)])
+
+    def generate(question):
+        docs = store.similarity_search(question, k=2)
+        if context == "joined":
+            return llm.invoke(prompt.invoke({"question": question, "context": "\n\n".join(d.page_content for d in docs)}))
+        # given the documents themselves, formatted inside the chain, as create_stuff_documents_chain does
+        chain = RunnablePassthrough.assign(context=lambda x: "\n\n".join(d.page_content for d in x["context"]))
+        return (chain | prompt | llm).invoke({"question": question, "context": docs})
+
+    first, second = generate(QUESTION), generate(QUESTION)
+    assert first.response_metadata["cache_hits"].get("computed", 0) >= 2  # encoded on first sight
+    assert second.response_metadata["reused_tokens"] > 0
+    assert second.response_metadata["cache_hits"].get("computed", 0) == 0
+    assert all(engine.passages.find(d.page_content.split("\n\n")[0]) for d in store.similarity_search("Olm", k=2))
+
+
 def test_a_dropped_model_stops_learning(engine):
     llm = ChatKVRag(engine=engine)
     assert engine in callbacks._handler.engines()
