@@ -269,3 +269,19 @@ def test_index_is_idempotent(tmp_path, tok, model0, monkeypatch):
     more = fresh.index(PASSAGES + ["A brand new passage about the Olm."], progress=False)
     assert more[:-1] == ids[: len(PASSAGES)] and len(fresh_calls) == 1
     assert len(kv_files(tmp_path)) == len(files) + 1
+
+
+def test_bench_index_times_indexing_beside_a_plain_batched_forward(saved_model_and_adapter, tmp_path, capsys):
+    """`kvrag bench index`: fresh passages indexed per dtype and run, in memory only, and the same tokens
+    through the model in padded batches."""
+    from kvrag.app.cli import main
+
+    model_dir, _ = saved_model_and_adapter
+    argv = ["--model", str(model_dir), "--adapter", "none", "--device", "cpu", "--home", str(tmp_path)]
+    assert main([*argv, "bench", "index", "--passages", "3", "--tokens", "20", "--runs", "2"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[1].split() == ["dtype", "passages", "tokens", "passages/s", "tokens/s", "plain", "tokens/s", "index/plain"]
+    rows = {line.split()[0]: line.split()[1:] for line in out[2:]}
+    assert set(rows) == {"float32", "bfloat16"} and all(int(r[0]) >= 1 and float(r[3]) > 0 for r in rows.values())
+    assert not (tmp_path / "kv").exists()  # stored in memory only
+    assert main([*argv, "bench", "index", "--dtypes", "float8"]) == 2

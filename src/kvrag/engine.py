@@ -230,6 +230,7 @@ class KVEngine:
                 self.blocks.fetch(key, block_context, ids, encoded_after)
         with tqdm(total=len(todo), desc="kvrag: encoding passages", unit="passage",
                   disable=not progress or not todo) as bar:
+            encoded = 0  # tokens, for the rate beside the passages'
             for wait in (False, True):  # the blocks nobody else is encoding first, then wait for the others
                 busy = {}
                 for key, ids in todo.items():
@@ -239,6 +240,8 @@ class KVEngine:
                             continue
                         if key not in self.store:  # stored by another process since `todo` was made
                             self.store.put(key, context, self.blocks.encode(ids, after), strict=True)
+                            encoded += len(ids)
+                    bar.set_postfix_str(f"{encoded / max(bar.format_dict['elapsed'], 1e-3):.0f} tokens/s", refresh=False)
                     bar.update()
                 todo = busy
         self._known.update(zip(keys, ids_list))

@@ -322,6 +322,21 @@ def cmd_bench(args):
     ttft_table(engine, lengths, args.runs, memory=True)
 
 
+def cmd_bench_index(args):
+    from kvrag.eval.indexing import HEADER, index_table
+
+    dtypes = args.dtypes.split(",")
+    bad = [d for d in dtypes if d not in ("float32", "float16", "bfloat16")]
+    if bad or args.passages < 1 or args.tokens < 1 or args.runs < 1:
+        raise KVRagError(f"--dtypes takes float32, float16, bfloat16 (got {args.dtypes!r}); --passages, --tokens and "
+                         "--runs at least 1")
+    print(f"KVEngine.index against a plain batched forward (8 passages a call) of the same tokens, medians of "
+          f"{args.runs} alternating runs of {args.passages} new passages of about {args.tokens} tokens:")
+    print(HEADER)
+    index_table(args.model, dtypes, args.passages, args.tokens, args.runs, args.device,
+                None if args.adapter == "none" else args.adapter, args.home)
+
+
 def cmd_bench_load(args):
     from transformers import AutoTokenizer
 
@@ -810,6 +825,13 @@ def build_parser(finetune_config: dict | None = None) -> argparse.ArgumentParser
     b.add_argument("--tokenizer", help="with --shape: tokenizer directory the prompts are written with; ids beyond the "
                                        "shape's vocabulary are folded into it (default: SmolLM2-135M-Instruct's)")
     b.set_defaults(func=cmd_bench)
+    b = _command(bench, "index", "passages and tokens a second that indexing encodes, beside a plain batched "
+                                 "forward of the same tokens (the limit on this hardware), per dtype")
+    b.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated dtypes, taking turns")
+    b.add_argument("--passages", type=int, default=32, help="new passages indexed per run")
+    b.add_argument("--tokens", type=int, default=160, help="about this many tokens each")
+    b.add_argument("--runs", type=int, default=2, help="alternating runs (the median is shown)")
+    b.set_defaults(func=cmd_bench_index)
     b = _command(bench, "load", "time to load a checkpoint: kvrag's from_pretrained against transformers' own")
     b.add_argument("--shape", default="llama3.2-1b", choices=("llama3-8b", "llama3.2-1b", "qwen2.5-7b", "mistral-7b"),
                    help="published architecture whose random-weight checkpoint is saved once and loaded")
