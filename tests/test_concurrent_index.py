@@ -42,15 +42,17 @@ FILES["d.md"] += "\n\n" + FACTS[0]  # one paragraph in two files: a passage to e
 
 # An indexer as a user runs it (the CLI's own main), with every Blocks.encode call written to a log,
 # started together and reaching `KVEngine.index` together, so that a process that did not share the work
-# would encode what the others are encoding. An encoding takes a moment, as a real model's does.
+# would encode what the others are encoding. An encoding takes a moment, as a real model's does. With
+# `die` N > 0 the process dies in its N-th encoding, its claims held (a shared tier's expire in 2 s).
 INDEXER = """
 import os, sys, time
 from pathlib import Path
-from kvrag import KVEngine
+from kvrag import KVEngine, remote
 from kvrag.app.cli import main
 from kvrag.assemble import Blocks
 
-log, gate, workers = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3])
+log, gate, workers, die = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+remote.CLAIM_SECONDS = 2.0
 
 def meet(name):
     (gate / f"{name}-{os.getpid()}").touch()
@@ -62,6 +64,8 @@ encode = Blocks.encode
 def counted(self, ids, after=None):
     with open(log, "a") as f:
         f.write(f"{os.getpid()}:{' '.join(map(str, ids))}\\n")
+    if die and sum(1 for _ in open(log)) >= die:
+        os._exit(3)
     time.sleep(0.1)
     return encode(self, ids, after)
 Blocks.encode = counted
@@ -73,7 +77,7 @@ def together(self, *args, **kwargs):
 KVEngine.index = together
 
 meet("start")
-sys.exit(main(sys.argv[4:]))
+sys.exit(main(sys.argv[5:]))
 """
 
 
@@ -111,7 +115,7 @@ def test_concurrent_indexers_on_a_fresh_home_share_the_work(saved_model_and_adap
         order = files[i:] + files[:i]
         argv = ["--model", str(model_dir), "--adapter", "none", "--device", "cpu", "--home", str(home),
                 "index", *map(str, order)]
-        procs.append(subprocess.Popen([sys.executable, "-c", INDEXER, str(log), str(gate), str(WORKERS), *argv],
+        procs.append(subprocess.Popen([sys.executable, "-c", INDEXER, str(log), str(gate), str(WORKERS), "0", *argv],
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(home)))
     outputs = [p.communicate(timeout=600) for p in procs]
     for p, (out, err) in zip(procs, outputs):
@@ -142,6 +146,44 @@ def _damage(home: Path) -> None:
 
 def _damage_lines(err: str) -> list[str]:
     return [line for line in err.splitlines() if "chroma.sqlite3" in line]
+
+
+def test_indexers_on_two_machines_share_the_work_through_redis_and_one_killed_loses_nothing(saved_model_and_adapter,
+                                                                                           tmp_path):
+    """Two homes (two machines' disks), one Redis: each block is encoded by one of them; one dies holding the
+    claim of its third block, the other takes it over once it expires and finishes; a third machine then
+    finds every block in the shared tier and encodes nothing."""
+    from kvrag.eval.scaleout import RedisServer
+
+    model_dir, _ = saved_model_and_adapter
+    files = _write_docs(tmp_path / "docs")
+    model = ["--model", str(model_dir), "--adapter", "none", "--device", "cpu"]
+    with RedisServer(tmp_path / "redis") as redis:
+
+        def indexer(name, workers, die, order):
+            home, gate = tmp_path / name, tmp_path / f"gate-{workers}"
+            gate.mkdir(exist_ok=True)
+            env = {**_env(home), "KVRAG_REMOTE": redis.url, "KVRAG_SECRET": "the indexers' shared secret"}
+            argv = [*model, "--home", str(home), "index", *map(str, order)]
+            return subprocess.Popen([sys.executable, "-c", INDEXER, str(tmp_path / f"{name}.log"), str(gate),
+                                     str(workers), str(die), *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                    text=True, env=env)
+
+        dying, surviving = indexer("a", 2, 3, files), indexer("b", 2, 0, files[2:] + files[:2])
+        assert dying.wait(timeout=600) == 3
+        out, err = surviving.communicate(timeout=600)
+        assert surviving.returncode == 0 and "Traceback" not in err, err[-3000:]
+        passages, layout = _expected(model_dir, files)
+        blocks = {" ".join(map(str, ids)) for ids in [layout.prefix_ids, layout.separator_ids,
+                                                      *map(layout.passage_ids, passages)]}
+        died_on = (tmp_path / "a.log").read_text().splitlines()[-1].split(":")[1]
+        encoded = Counter(line.split(":")[1] for name in "ab" for line in (tmp_path / f"{name}.log").read_text().splitlines())
+        assert set(encoded) == blocks
+        assert all(n == 1 for block, n in encoded.items() if block != died_on) and encoded[died_on] == 2
+        third = indexer("c", 1, 0, files)
+        out, err = third.communicate(timeout=600)
+        assert third.returncode == 0 and out.startswith(f"indexed {len(FACTS) + 1} passages"), err[-3000:]
+        assert not (tmp_path / "c.log").exists()  # every block found in the shared tier
 
 
 def test_a_garbage_chroma_is_moved_aside_and_the_cli_collection_rebuilt(saved_model_and_adapter, tmp_path):

@@ -250,8 +250,11 @@ class KVEngine:
 
     def _claim(self, key: str, wait: bool):
         """Context manager: whether this process may encode block `key` now, the other processes indexing
-        into the same KV directory being told no until it is stored (a lock file per block, removed after;
-        a process that dies releases its claims). Without a directory there is nobody to share it with."""
+        into the same shared tier (a claim there, expiring, see `Remote.claimed`) or the same KV directory (a
+        lock file per block, removed after; a process that dies releases its claims) being told no until it
+        is stored. Without either there is nobody to share it with."""
+        if self.remote is not None:
+            return self.remote.claimed(key, wait)
         if self.store.disk is None:
             return nullcontext(True)
         return file_lock(self.store.disk.root / "claims" / f"{key}.lock", wait=wait, remove=True)

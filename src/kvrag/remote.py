@@ -19,12 +19,15 @@ has passed (doubling up to a limit), after which the next call tries again, and 
 outage.
 """
 
+import contextlib
 import hashlib
 import logging
 import os
 import queue
+import socket
 import threading
 import time
+import uuid
 import warnings
 from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
@@ -35,6 +38,11 @@ PREFIX = "kvrag:"
 TIMEOUT = 2.0  # seconds: connecting, and each read or write of a call (a long transfer keeps reading)
 GROUP = 4  # blocks per round trip when a request's blocks are fetched (`iter_many`)
 BACKOFF, MAX_BACKOFF = 0.5, 30.0  # seconds before the first retry after a failure, and the most
+
+CLAIM_SECONDS = 60.0
+"""How long a claim on a block to encode holds unless released: a worker that dies holding one delays that
+block by as much, then another encodes it."""
+_RELEASE = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end return 0"
 
 SECRET_ENV, SECRET_FILE_ENV, INSECURE_ENV = "KVRAG_SECRET", "KVRAG_SECRET_FILE", "KVRAG_REMOTE_INSECURE"
 MIN_SECRET = 16  # bytes
@@ -100,6 +108,7 @@ class Remote:
         self._down = (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError, OSError)
         self._refused = redis.RedisError
         self._add = self.client.register_script(_ADD)
+        self._release = self.client.register_script(_RELEASE)
         self._lock = threading.Lock()
         self._down_until = 0.0
         self._backoff = 0.0
@@ -170,6 +179,33 @@ class Remote:
 
     def delete(self, key: str) -> None:
         self._call("delete", lambda: self.client.delete(PREFIX + "kv:" + key), None)
+
+    # ---- claims: indexers on several machines encode each block once -----------------------------------
+
+    def claim(self, key: str, owner: str, seconds: float | None = None) -> bool | None:
+        """Claim block `key` for `owner` (SET NX, expiring): True; False where another holds it; None where the
+        server cannot say (down), so that nobody waits on it."""
+        ms = int(1000 * (CLAIM_SECONDS if seconds is None else seconds))
+        return self._call("claim", lambda: bool(self.client.set(PREFIX + "claim:" + key, owner, nx=True, px=ms)), None)
+
+    def release(self, key: str, owner: str) -> None:
+        """Drop `owner`'s claim on `key` (not one that expired and was taken by another since)."""
+        self._call("release", lambda: self._release(keys=[PREFIX + "claim:" + key], args=[owner]), None)
+
+    @contextlib.contextmanager
+    def claimed(self, key: str, wait: bool, poll: float = 0.05):
+        """As `locks.file_lock` for one machine: yields whether this process may encode block `key` now, the
+        other workers on this server told no until it releases; `wait`: until then, or the claim expires."""
+        owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        while (got := self.claim(key, owner)) is False and wait:
+            time.sleep(poll)
+        if not got:
+            yield got is None  # a server that cannot say: encode here rather than wait on nobody
+            return
+        try:
+            yield True
+        finally:
+            self.release(key, owner)
 
     # ---- the passage registry -----------------------------------------------------------------------
 

@@ -54,6 +54,18 @@ def test_starter_pattern_reuses_from_the_second_query(tiny_engine, documents, em
     assert second.metadata["kvrag"]["cache_hits"].get("computed", 0) == 0
 
 
+def test_nodes_any_embeddings_retrieved_are_learned(tiny_engine, documents):
+    """Not kvrag's embeddings: LlamaIndex's own offline MockEmbedding finds the nodes, the retrieval is learned."""
+    from llama_index.core.embeddings import MockEmbedding
+
+    index = VectorStoreIndex.from_documents(documents, embed_model=MockEmbedding(embed_dim=8))
+    query_engine = index.as_query_engine(llm=KVRagLLM(engine=tiny_engine, max_new_tokens=4))
+    query_engine.query(QUESTION)
+    second = query_engine.query(QUESTION)
+    assert second.metadata["kvrag"]["reused_tokens"] > 0
+    assert second.metadata["kvrag"]["cache_hits"].get("computed", 0) == 0
+
+
 def test_async_query_reuses_too(tiny_engine, documents, embed_model):
     import asyncio
 
