@@ -151,20 +151,6 @@ def test_auto_endpoints_are_full_and_block(make_engine, tok):
     torch.testing.assert_close(auto(least=0.0, most=0.0), block, rtol=tolerance, atol=tolerance)
 
 
-def test_auto_measures_by_attention_or_deviation(make_engine, tok):
-    engine = make_engine("llama")
-    with pytest.raises(ValueError, match="auto"):
-        recomputed(engine, random_prompt(len(tok)), BlendConfig(select="leading"), auto=True)
-
-
-def test_leading_selection_takes_each_blocks_first_tokens(make_engine, tok):
-    engine = make_engine("llama")
-    prompt = random_prompt(len(tok))
-    starts, lengths = prompt.block_starts(), list(map(len, prompt.blocks))
-    got = recomputed(engine, prompt, BlendConfig(recompute_ratio=0.4, select="leading")).tolist()
-    assert got == [s + i for s, n in zip(starts, lengths) for i in range(round(0.4 * n))]
-
-
 def test_gradual_filtering_and_block_sinks(deep_engine, tok):
     engine = deep_engine("qwen2")
     prompt = random_prompt(len(tok))

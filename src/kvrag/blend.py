@@ -5,20 +5,19 @@ Block mode's passages never attended to each other. Recomputing every token (`fu
 that at the full prefill cost; CacheBlend observes that a small share of tokens carries most of
 the difference, and that a token's deviation on an early layer predicts it on later ones.
 
-One pass over the layers, starting from block mode's assembled cache. Every token is computed on
-layer 0, whose KV depends on the token alone (so its fresh KV is the cached KV, up to rounding) and
-whose output every later choice needs. On each check layer only a share of the passage tokens still
-being computed goes on: those whose fresh K or V deviates most from the cached ones (CacheBlend's
-choice and the default, `select="deviation"`), those the question attends to most over the cached KV
-(`select="attention"`, as query-centric methods choose), or each passage's first tokens
-(`select="leading"`); the question always does. Mode "auto" takes the fewest tokens that hold a share
-(`coverage`) of the measure on the first check layer, so the share follows the request; with several
-check layers it is the share the last one keeps, as `recompute_ratio` is blend's. A computed token
-writes its fresh K/V over the cached ones (the cache layers' `slots`) and attends over the blended
-cache with an explicit causal mask. On the last layer the passage tokens only write their K/V:
-nothing reads their output. Recompute ratio 1 recomputes every token, which is `full`; ratio 0 only
-the question, which is `block` (when the first check layer is 0 or 1). Positions are block mode's
-re-encoded ones.
+One pass over the layers, starting from block mode's assembled cache. Every token is computed on layer
+0, whose KV depends on the token alone (so its fresh KV is the cached KV, up to rounding) and whose
+output every later choice needs. On each check layer only a share of the passage tokens still being
+computed goes on: those whose fresh K or V deviates most from the cached ones (CacheBlend's choice and
+the default, `select="deviation"`) or those the question attends to most over the cached KV
+(`select="attention"`, as query-centric methods choose); the question always does. Mode "auto" takes the
+fewest tokens that hold a share (`coverage`) of the measure on the first check layer, so the share
+follows the request; with several check layers it is the share the last one keeps, as `recompute_ratio`
+is blend's. A computed token writes its fresh K/V over the cached ones (the cache layers' `slots`) and
+attends over the blended cache with an explicit causal mask. On the last layer the passage tokens only
+write their K/V: nothing reads their output. Recompute ratio 1 recomputes every token, which is `full`;
+ratio 0 only the question, which is `block` (when the first check layer is 0 or 1). Positions are block
+mode's re-encoded ones.
 """
 
 from dataclasses import dataclass
@@ -47,10 +46,9 @@ class BlendConfig:
     sink_tokens      the first tokens of every block are recomputed as well (each block's own
                      attention sink, after EPIC), on top of the ratio.
     select           "deviation" (CacheBlend: the tokens whose K or V changes most in context),
-                     "attention" (the tokens the question attends to most over the cached KV, on the
-                     check layer) or "leading" (the first tokens of every passage, each the same share:
-                     whole leading segments instead of scattered tokens). docs/modes.md has the
-                     measurements that made deviation the default.
+                     or "attention" (the tokens the question attends to most over the cached KV, on
+                     the check layer). docs/modes.md has the measurements that made deviation the
+                     default (and dropped leading segments, which did worse than either).
     coverage         mode "auto": recompute the fewest passage tokens that hold `coverage` of the total
                      deviation (or of the question's attention) on the first check layer, between `least`
                      and `most` of the passage tokens; the share then follows each request.
@@ -61,7 +59,7 @@ class BlendConfig:
     deviation: Literal["keys", "values"] = "keys"
     widen: float = 2.0
     sink_tokens: int = 0
-    select: Literal["attention", "deviation", "leading"] = "deviation"
+    select: Literal["attention", "deviation"] = "deviation"
     coverage: float = 0.9
     least: float = 0.05
     most: float = 0.5
@@ -79,8 +77,8 @@ class BlendConfig:
             raise ValueError(f"widen must be at least 1, got {self.widen}")
         if self.sink_tokens < 0:
             raise ValueError(f"sink_tokens must be >= 0, got {self.sink_tokens}")
-        if self.select not in ("attention", "deviation", "leading"):
-            raise ValueError(f"select must be 'attention', 'deviation' or 'leading', got {self.select!r}")
+        if self.select not in ("attention", "deviation"):
+            raise ValueError(f"select must be 'attention' or 'deviation', got {self.select!r}")
         if not 0.0 < self.coverage <= 1.0:
             raise ValueError(f"coverage must be within (0, 1], got {self.coverage}")
         if not 0.0 <= self.least <= self.most <= 1.0:
@@ -126,10 +124,10 @@ def question_attention(family, layer, hidden: torch.Tensor, cos: torch.Tensor, s
 @torch.inference_mode()
 def prefill(model, workspace, ids: list[int], first: int, context: int, block_starts: list[int], config: BlendConfig,
             keep: int = 1, auto: bool = False):
-    """Blend the question `ids[context:]` into the cache: `workspace` holds the block-mode KV of
-    `ids[:context]` (the prefix, then blocks beginning at `block_starts`, passages from `first`).
-    `auto`: the share recomputed is the least that holds `config.coverage` of the measure `config.select` names.
-    Returns the logits of the last `keep` tokens and the passage positions recomputed throughout."""
+    """Blend the question `ids[context:]` into the cache: `workspace` holds the block-mode KV of `ids[:context]`
+    (the prefix, then blocks beginning at `block_starts`, passages from `first`). `auto`: the share recomputed
+    is the least that holds `config.coverage` of the measure `config.select` names. Returns the logits of the
+    last `keep` tokens and the passage positions recomputed throughout."""
     family, decoder = families.family(model.config), model.get_decoder()
     device, n = workspace.keys.device, len(ids)
     selection = Selection(config, first, context, block_starts, device, auto)
@@ -173,11 +171,8 @@ class Selection:
 
     def __init__(self, config: BlendConfig, first: int, context: int, block_starts: list[int], device, auto: bool):
         self.config, self.first, self.context, self.auto = config, first, context, auto
-        self.starts = block_starts
         self.sinks = sink_positions(block_starts, config.sink_tokens, context, device)
         self.share = None  # auto's, once the first check layer has measured it
-        if auto and config.select == "leading":
-            raise ValueError("mode auto measures the tokens by select='deviation' or 'attention', not 'leading'")
 
     def survivors(self, family, layer, index, hidden, cos, sin, active, workspace) -> torch.Tensor:
         config = self.config
@@ -189,17 +184,14 @@ class Selection:
         if config.select == "attention":
             score = question_attention(family, layer, hidden[:, question], cos[:, question], sin[:, question],
                                        workspace.keys[index][:, :, :self.context])[tokens]
-        elif config.select == "deviation":
+        else:
             fresh = config.compared(*fresh_kv(family, layer, hidden[:, passage], cos[:, passage], sin[:, passage]))
             cached = config.compared(workspace.keys, workspace.values)[index][:, :, tokens]
             score = deviation(fresh, cached)
         if self.auto and self.share is None:
             self.share = covering_share(score, config.coverage, config.least, config.most, candidates)
         kept = min(len(tokens), config.kept(config.check_layers.index(index), candidates, self.share))
-        if config.select == "leading":
-            chosen = leading(tokens, self.starts, self.context, kept / len(tokens))
-        else:
-            chosen = tokens[score.topk(kept).indices]
+        chosen = tokens[score.topk(kept).indices]
         return question | torch.isin(active, chosen) | torch.isin(active, self.sinks)
 
 
@@ -209,16 +201,6 @@ def covering_share(mass: torch.Tensor, coverage: float, least: float, most: floa
     ordered = mass.sort(descending=True).values.cumsum(0)
     needed = int((ordered < coverage * ordered[-1]).sum()) + 1
     return min(max(needed / candidates, least), most)
-
-
-def leading(tokens: torch.Tensor, starts: list[int], context: int, share: float) -> torch.Tensor:
-    """Of `tokens` (passage positions), the first `share` of each block's: leading segments."""
-    ends = [*starts[1:], context]
-    chosen = []
-    for start, end in zip(starts, ends):
-        inside = tokens[(tokens >= start) & (tokens < end)]
-        chosen.append(inside[: round(share * len(inside))])
-    return torch.cat(chosen) if chosen else tokens[:0]
 
 
 def deviation(fresh: torch.Tensor, cached: torch.Tensor) -> torch.Tensor:
