@@ -241,7 +241,8 @@ class KVEngine:
                         if key not in self.store:  # stored by another process since `todo` was made
                             self.store.put(key, context, self.blocks.encode(ids, after), strict=True)
                             encoded += len(ids)
-                    bar.set_postfix_str(f"{encoded / max(bar.format_dict['elapsed'], 1e-3):.0f} tokens/s", refresh=False)
+                    rate = encoded / max(bar.format_dict["elapsed"], 1e-3)
+                    bar.set_postfix_str(f"{rate:.0f} tokens/s", refresh=False)
                     bar.update()
                 todo = busy
         self._known.update(zip(keys, ids_list))

@@ -57,16 +57,16 @@ def _home(args) -> Path:
     return writable_home(Path(args.home) if args.home else kvrag_home())
 
 
-def _chroma(args, embedded: bool = True) -> str | Path | None:
+def _chroma(args) -> str | Path:
     """Where the passage index lives: --chroma, else $KVRAG_CHROMA (a Chroma server's URL), else the
-    embedded Chroma under the cache directory (None with `embedded=False`: `serve` keeps none then)."""
+    embedded Chroma under the cache directory."""
     from kvrag.retrieval import chroma_url, parse_chroma_url
 
     url = args.chroma or chroma_url()
     if url:
         parse_chroma_url(url)  # a URL, or refused before anything is loaded
         return url
-    return _home(args) / "chroma" if embedded else None
+    return _home(args) / "chroma"
 
 
 def _read(files) -> dict:
@@ -109,12 +109,13 @@ def _api_key(args) -> str | None:
 
 
 def _answering_options(args) -> dict:
-    """The options that decide the answers: a running server is used for another command only where they agree."""
+    """The options that decide the answers: a running server is used for another command only where they
+    agree."""
     names = ("model", "adapter", "adapter_scope", "dtype", "block_context")
     return {name: None if getattr(args, name) is None else str(getattr(args, name)) for name in names}
 
 
-def _server(args) -> str | None:
+def _server(args) -> tuple[str, dict] | None:
     """(URL, model options) of `--server`, else of the `kvrag serve` running for this home with the same model
     options, else None."""
     from . import client
@@ -194,7 +195,8 @@ def _ask_server(args, url: str):
     if not passages:
         raise KVRagError(f"nothing is indexed yet on {url}: run `kvrag index PATH...` first")
     fmt = PromptFormat()
-    user = fmt.separator.join([*(fmt.passage.format(text=p) for p in passages), fmt.question.format(question=args.question)])
+    user = fmt.separator.join([*(fmt.passage.format(text=p) for p in passages),
+                               fmt.question.format(question=args.question)])
     options = {"max_tokens": args.max_new_tokens, **({"kvrag": {"mode": args.mode}} if args.mode else {})}
     for part in client.ask(url, _api_key(args), [{"role": "system", "content": fmt.system},
                                                   {"role": "user", "content": user}], options):
@@ -643,8 +645,7 @@ _MODEL_OPTIONS = {
     "--home": dict(help="cache directory (default: $KVRAG_HOME or ~/.cache/kvrag)"),
     "--chroma": dict(metavar="URL", help="Chroma server (`chroma run`) that keeps the passage index, as "
                                          "http://HOST:PORT; processes given the same one share it (default: "
-                                         "$KVRAG_CHROMA, else an embedded Chroma in the cache directory; `serve` "
-                                         "keeps a passage index only with one of the two)"),
+                                         "$KVRAG_CHROMA, else an embedded Chroma in the cache directory)"),
     "--remote": dict(metavar="URL", help="Redis server (redis://[USER:PASSWORD@]HOST:PORT/DB, rediss:// for TLS) "
                                          "that keeps KV and the passage registry for every process given it, below "
                                          "the local tiers; its values carry a MAC keyed by $KVRAG_SECRET_FILE or "

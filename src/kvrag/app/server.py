@@ -8,8 +8,8 @@ template), for clients of the legacy API (LlamaIndex's OpenAILike unless `is_cha
 are indexed over HTTP (`POST /v1/passages`, kvrag's own endpoint) and `/v1/embeddings` serves the
 packaged all-MiniLM-L6-v2, so one server backs both halves of an OpenAI-style RAG app. Given a passage
 index (`kvrag serve`: the home's, or `--chroma URL`'s), the server also keeps the passages it indexes
-there and retrieves from it (`POST /v1/passages/search`); replicas given the same Chroma server share it. Every error has
-OpenAI's JSON shape, so the clients raise their usual exceptions.
+there and retrieves from it (`POST /v1/passages/search`); replicas given the same Chroma server share
+it. Every error has OpenAI's JSON shape, so the clients raise their usual exceptions.
 
 Defaults where a request names nothing: greedy decoding (temperature 0, so the answer is the
 in-process engine's) and at most `DEFAULT_MAX_TOKENS` tokens. With an API key set, every path but

@@ -62,7 +62,8 @@ def index_table(model: str | None, dtypes=("float32", "bfloat16"), passages: int
     return rows
 
 
-HEADER = f"{'dtype':>9} {'passages':>8} {'tokens':>7} {'passages/s':>10} {'tokens/s':>9} {'plain tokens/s':>14} {'index/plain':>11}"
+HEADER = (f"{'dtype':>9} {'passages':>8} {'tokens':>7} {'passages/s':>10} {'tokens/s':>9} {'plain tokens/s':>14} "
+          f"{'index/plain':>11}")
 
 
 def format_row(row) -> str:
