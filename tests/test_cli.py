@@ -286,6 +286,14 @@ def test_errors_a_user_can_cause_are_one_line_naming_the_path(tmp_path, saved_mo
         assert err.startswith(f"kvrag: error: no model at {Path(missing).expanduser()}: ") and err.count("\n") == 1, err
 
 
+def test_ask_with_nothing_indexed_says_where_it_looked_and_what_to_do(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("KVRAG_CHROMA", "")
+    assert main(["--home", str(tmp_path), "ask", "Who built the lighthouse?"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"kvrag: error: nothing is indexed yet in {tmp_path / 'chroma'}: run `kvrag index")
+    assert "kvrag ask --server URL" in err and err.count("\n") == 1
+
+
 def test_argument_and_path_errors_come_before_torch_is_imported(tmp_path):
     code = (
         "import sys\n"

@@ -170,9 +170,11 @@ def cmd_ask(args):
         return _ask_server(args, server[0])
     from kvrag.retrieval import PassageIndex
 
-    index = PassageIndex(_chroma(args))
+    chroma = _chroma(args)
+    index = PassageIndex(chroma)
     if len(index) == 0:
-        raise KVRagError("nothing is indexed yet: run `kvrag index PATH...` first")
+        raise KVRagError(f"nothing is indexed yet in {chroma}: run `kvrag index PATH...` first (passages indexed "
+                         "through a server that is not running for this home: `kvrag ask --server URL`)")
     passages = index.search(args.question, args.top_k)
     engine = _engine(args)
     stream = engine.stream(args.question, passages, mode=args.mode, max_new_tokens=args.max_new_tokens)
