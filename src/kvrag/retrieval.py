@@ -18,6 +18,7 @@ store beside it.
 import hashlib
 import os
 import sqlite3
+import threading
 import uuid
 import warnings
 from contextlib import closing, contextmanager
@@ -234,15 +235,24 @@ def _damage(directory: Path) -> str | None:
 
 
 class Embedder:
-    """Normalized sentence embeddings from the packaged all-MiniLM-L6-v2."""
+    """Normalized sentence embeddings from the packaged all-MiniLM-L6-v2, loaded on first use (5 s on 2
+    cores: a `kvrag serve` that is never asked to embed never pays it)."""
 
     def __init__(self, path: str | Path | None = None, device: str = "cpu"):
-        from sentence_transformers import SentenceTransformer
+        self.path, self.device = str(path or embedding_model_path()), device
+        self._model, self._lock = None, threading.Lock()
 
-        from .loading import quietly
+    @property
+    def model(self):
+        with self._lock:
+            if self._model is None:
+                from sentence_transformers import SentenceTransformer
 
-        with quietly():
-            self.model = SentenceTransformer(str(path or embedding_model_path()), device=device, local_files_only=True)
+                from .loading import quietly
+
+                with quietly():
+                    self._model = SentenceTransformer(self.path, device=self.device, local_files_only=True)
+        return self._model
 
     def embed(self, texts: list[str]) -> list[list[float]]:
         return self.model.encode(list(texts), normalize_embeddings=True, convert_to_numpy=True).tolist()

@@ -155,7 +155,8 @@ def cmd_index(args):
           f"{f' into Chroma at {chroma}' if isinstance(chroma, str) else ''}")
 
 
-def _print_stats(result, where: str = ""):
+def _print_stats(result: dict, where: str = ""):
+    """A request's figures (`server.stats`: in process, or as `kvrag serve` sent them) on one line."""
     hits = ", ".join(f"{k} {v}" for k, v in sorted(result["cache_hits"].items())) or "none"
     print(
         f"[{result['mode']}] TTFT {result['ttft'] * 1e3:.0f} ms, total {result['total_time']:.2f} s, "
@@ -181,9 +182,9 @@ def cmd_ask(args):
     for delta in stream:
         print(delta, end="", flush=True)
     print()
-    r = stream.result
-    _print_stats({"mode": r.mode, "ttft": r.ttft, "total_time": r.total_time, "prefilled_tokens": r.prefilled_tokens,
-                  "reused_tokens": r.reused_tokens, "cache_hits": r.cache_hits})
+    from .server import stats
+
+    _print_stats(stats(stream.result))
 
 
 def _ask_server(args, url: str):

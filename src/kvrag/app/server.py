@@ -25,12 +25,11 @@ import base64
 import json
 import re
 import secrets
-import threading
 import time
 import uuid
+from collections.abc import Sequence
 from contextlib import contextmanager
 from dataclasses import replace
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -359,9 +358,9 @@ def create_app(engine, *, api_key: str | None = None, model_name: str | Sequence
     `embed(texts)` and `count_tokens(texts)` (default: the packaged MiniLM, loaded on first use).
     `passage_index`: a `kvrag.retrieval.PassageIndex` that /v1/passages also stores the passages in and
     /v1/passages/search retrieves from (default: none, and no search; `kvrag serve` gives it the home's or
-    `--chroma`'s). `max_request_bytes`: the largest body
-    taken, 400 beyond (default: `default_max_request_bytes`); `max_passages`: the most passages one
-    /v1/passages call may carry, 400 beyond."""
+    `--chroma`'s). `max_request_bytes`: the largest body taken, 400 beyond (default:
+    `default_max_request_bytes`); `max_passages`: the most passages one /v1/passages call may carry, 400
+    beyond."""
     default_mode = default_mode or engine.default_mode
     if default_mode not in MODES:
         raise ValueError(f"default_mode must be one of {MODES}, got {default_mode!r}")
@@ -378,7 +377,10 @@ def create_app(engine, *, api_key: str | None = None, model_name: str | Sequence
     app = FastAPI(title="kvrag", summary="OpenAI-compatible API over kvrag's KV-reusing engine")
     app.state.engine, app.state.metrics = engine, metrics
     app.add_middleware(Gate, fastapi=app, metrics=metrics, api_key=api_key, max_request_bytes=max_request_bytes)
-    embedding = {"model": embedder, "lock": threading.Lock()}
+    if embedder is None:
+        from kvrag.retrieval import Embedder
+
+        embedder = Embedder()  # the model loads on the first /v1/embeddings or passage search
 
     @app.exception_handler(APIError)
     async def api_error(request, exc: APIError):
@@ -512,7 +514,7 @@ def create_app(engine, *, api_key: str | None = None, model_name: str | Sequence
             answer = ({"message": {"role": "assistant", "content": result.text, "refusal": None}} if chat
                       else {"text": result.text})
             answered = {"index": 0, **answer, "logprobs": None, "finish_reason": _finish_reason(result)}
-            return {**head, "object": kind, "choices": [answered], "usage": _usage(result), "kvrag": _stats(result)}
+            return {**head, "object": kind, "choices": [answered], "usage": _usage(result), "kvrag": stats(result)}
 
         # the status is decided before any header is sent: the first delta (or the end) comes first
         with _engine_errors():
@@ -541,7 +543,7 @@ def create_app(engine, *, api_key: str | None = None, model_name: str | Sequence
                 await deltas.aclose()  # a stream not read to the end is cancelled
             result = stream.result
             metrics.record(result)
-            yield chunk(choice("", _finish_reason(result)), kvrag=_stats(result))
+            yield chunk(choice("", _finish_reason(result)), kvrag=stats(result))
             if usage:
                 yield _sse({**head, "object": kind, "choices": [], "usage": _usage(result)})
             yield _DONE
@@ -596,13 +598,7 @@ def create_app(engine, *, api_key: str | None = None, model_name: str | Sequence
             raise APIError(400, f"input takes at most {MAX_EMBEDDING_INPUTS} texts, got {len(texts)}", param="input")
 
         def embed():
-            with embedding["lock"]:
-                if embedding["model"] is None:
-                    from kvrag.retrieval import Embedder
-
-                    embedding["model"] = Embedder()
-            model = embedding["model"]
-            return model.embed(texts), model.count_tokens(texts)
+            return embedder.embed(texts), embedder.count_tokens(texts)
 
         vectors, tokens = await run_in_threadpool(embed)
         if body.dimensions is not None and body.dimensions != len(vectors[0]):
@@ -681,7 +677,8 @@ def _usage(result) -> dict:
     }
 
 
-def _stats(result) -> dict:
+def stats(result) -> dict:
+    """A request's figures as responses carry them in their `kvrag` object (and `kvrag ask` prints them)."""
     return {
         "mode": result.mode,
         "ttft": result.ttft,
