@@ -48,14 +48,14 @@ def kernels_built(kvrag_home):
 @pytest.fixture
 def encoded(engine, monkeypatch) -> list:
     """Token ids of every block `engine` (the requesting directory's fixture) computes during the test:
-    `blocks.encode` is the one place a block's KV is computed."""
-    calls, encode = [], engine.blocks.encode
+    `blocks.encode_many` is the one place a block's KV is computed."""
+    calls, encode_many = [], engine.blocks.encode_many
 
-    def counting(ids, *args, **kwargs):
-        calls.append(ids)
-        return encode(ids, *args, **kwargs)
+    def counting(ids_list, *args, **kwargs):
+        calls.extend(ids_list)
+        return encode_many(ids_list, *args, **kwargs)
 
-    monkeypatch.setattr(engine.blocks, "encode", counting)
+    monkeypatch.setattr(engine.blocks, "encode_many", counting)
     return calls
 
 

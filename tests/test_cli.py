@@ -112,9 +112,10 @@ def test_the_defaults_written_in_the_cli_are_the_harness_defaults():
     from typing import get_args
 
     from kvrag import MODES, BlendConfig
-    from kvrag.engine import ADAPTER_SCOPES, BLOCK_CONTEXTS
+    from kvrag.engine import ADAPTER_SCOPES, BLOCK_CONTEXTS, LEARN_PROMPTS
 
     assert (cli.MODES, cli.ADAPTER_SCOPES, cli.BLOCK_CONTEXTS) == (MODES, ADAPTER_SCOPES, BLOCK_CONTEXTS)
+    assert cli.LEARN_PROMPTS == LEARN_PROMPTS
     assert cli.BLEND_SELECT[0] == BlendConfig.select and set(cli.BLEND_SELECT) == set(
         get_args(BlendConfig.__annotations__["select"]))
 

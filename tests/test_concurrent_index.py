@@ -60,15 +60,16 @@ def meet(name):
     while len(list(gate.glob(f"{name}-*"))) < workers and time.monotonic() < deadline:
         time.sleep(0.01)
 
-encode = Blocks.encode
-def counted(self, ids, after=None):
-    with open(log, "a") as f:
-        f.write(f"{os.getpid()}:{' '.join(map(str, ids))}\\n")
-    if die and sum(1 for _ in open(log)) >= die:
-        os._exit(3)
+encode_many = Blocks.encode_many
+def counted(self, ids_list, after=None):
+    for ids in ids_list:
+        with open(log, "a") as f:
+            f.write(f"{os.getpid()}:{' '.join(map(str, ids))}\\n")
+        if die and sum(1 for _ in open(log)) >= die:
+            os._exit(3)
     time.sleep(0.1)
-    return encode(self, ids, after)
-Blocks.encode = counted
+    return encode_many(self, ids_list, after)
+Blocks.encode_many = counted
 
 index = KVEngine.index
 def together(self, *args, **kwargs):

@@ -145,7 +145,8 @@ def test_a_planted_block_in_memory_is_refused_at_the_workspace(make_engine, stor
     dropped = [str(w.message) for w in kvrag_warnings(records)]
     assert len(dropped) == 1 and key in dropped[0] and "shape" in dropped[0]
     assert result.token_ids == clean.token_ids and result.cache_hits.get("computed") == 1
-    assert torch.equal(engine.store.memory.get(key).keys, good.keys)  # recomputed in its place
+    # recomputed in its place, alone (`index` had packed it with others: the same KV to round-off)
+    torch.testing.assert_close(engine.store.memory.get(key).keys, good.keys, atol=2e-3, rtol=2e-3)
 
 
 def test_a_remote_tier_needs_a_shared_secret(make_engine, monkeypatch):

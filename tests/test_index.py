@@ -233,14 +233,13 @@ def test_engine_with_tiny_memory_budget(tmp_path, tok, model0):
 def _spy_encode(monkeypatch, engine) -> list:
     """Token ids of every passage block the engine encodes (the shared prefix and separator blocks are not counted)."""
     calls = []
-    real = engine.blocks.encode
+    real = engine.blocks.encode_many
 
-    def spy(ids, after=None):
-        if list(ids) not in (engine.layout.prefix_ids, engine.layout.separator_ids):
-            calls.append(list(ids))
-        return real(ids, after)
+    def spy(ids_list, after=None):
+        calls.extend(list(ids) for ids in ids_list if list(ids) not in (engine.layout.prefix_ids, engine.layout.separator_ids))
+        return real(ids_list, after)
 
-    monkeypatch.setattr(engine.blocks, "encode", spy)
+    monkeypatch.setattr(engine.blocks, "encode_many", spy)
     return calls
 
 
@@ -271,17 +270,43 @@ def test_index_is_idempotent(tmp_path, tok, model0, monkeypatch):
     assert len(kv_files(tmp_path)) == len(files) + 1
 
 
+@pytest.mark.parametrize("block_context", ["none", "prefix"])
+def test_packed_indexing_stores_the_blocks_one_at_a_time_would(tmp_path, tok, model0, monkeypatch, block_context):
+    """Several passages per forward (as on a GPU, `pack_tokens`): the same KV as one at a time, to float32
+    round-off, in fewer forwards."""
+    alone = new_engine(model0, tok, tmp_path / "alone", block_context=block_context)
+    packed = new_engine(model0, tok, tmp_path / "packed", block_context=block_context)
+    forwards = []
+    real = packed.blocks.encode_many
+    monkeypatch.setattr(packed.blocks, "encode_many", lambda ids_list, after=None: forwards.append(len(ids_list))
+                        or real(ids_list, after))
+    texts = PASSAGES + MANY[:6]
+    assert alone.index(texts, progress=False, pack_tokens=0) == packed.index(texts, progress=False, pack_tokens=64)
+    passages = [n for n in forwards if n > 1]
+    assert passages and sum(passages) + forwards.count(1) - 2 == len(texts)  # 2: the prefix and separator blocks
+    context = alone.blocks.context(alone.layout.prefix_ids)
+    for key in alone.blocks.keys(alone.layout.prefix_ids, [alone.layout.passage_ids(t) for t in texts]):
+        a, b = alone.store.get(key, context)[0], packed.store.get(key, context)[0]
+        assert torch.equal(a.token_ids, b.token_ids) and a.start == b.start
+        torch.testing.assert_close(b.keys, a.keys, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(b.values, a.values, atol=1e-5, rtol=1e-4)
+    answer = lambda engine: engine.generate(QUESTION, PASSAGES, max_new_tokens=6).token_ids
+    assert answer(alone) == answer(packed)
+
+
 def test_bench_index_times_indexing_beside_a_plain_batched_forward(saved_model_and_adapter, tmp_path, capsys):
-    """`kvrag bench index`: fresh passages indexed per dtype and run, in memory only, and the same tokens
-    through the model in padded batches."""
+    """`kvrag bench index`: fresh passages indexed per dtype and run (packed as by default, and one per
+    forward), in memory only, and the same tokens through the model in padded batches."""
     from kvrag.app.cli import main
 
     model_dir, _ = saved_model_and_adapter
     argv = ["--model", str(model_dir), "--adapter", "none", "--device", "cpu", "--home", str(tmp_path)]
     assert main([*argv, "bench", "index", "--passages", "3", "--tokens", "20", "--runs", "2"]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert out[1].split() == ["dtype", "passages", "tokens", "passages/s", "tokens/s", "plain", "tokens/s", "index/plain"]
+    assert out[1].split() == ["dtype", "passages", "tokens", "passages/s", "tokens/s", "one", "at", "a", "time", "plain",
+                              "tokens/s", "index/plain"]
     rows = {line.split()[0]: line.split()[1:] for line in out[2:]}
-    assert set(rows) == {"float32", "bfloat16"} and all(int(r[0]) >= 1 and float(r[3]) > 0 for r in rows.values())
+    assert set(rows) == {"float32", "bfloat16"}
+    assert all(int(r[0]) >= 1 and min(map(float, r[2:])) > 0 for r in rows.values())
     assert not (tmp_path / "kv").exists()  # stored in memory only
     assert main([*argv, "bench", "index", "--dtypes", "float8"]) == 2

@@ -247,3 +247,76 @@ def test_learned_passages_are_encoded_once_then_reused(make_engine):
     again = engine.generate_text(text, max_new_tokens=2)
     assert first.cache_hits.get("computed", 0) >= 1 and again.cache_hits.get("computed", 0) == 0
     assert again.reused_tokens >= len(engine.layout.passage_ids(P1)) and again.token_ids == first.token_ids
+
+
+CHATML_SPECIALS = ["<|im_start|>", "<|im_end|>"]
+
+
+def chatml(user: str, system: str = "You are a helpful assistant.") -> str:
+    return f"<|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n"
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [  # the ecosystems' habits: a label line, a template's special tokens, the question last or first
+        (chatml(f"Answer from the context.\n\nContext:\n{P1}\n\n{P2}\n\nQuestion: who painted The Tin Harvest, and when?"),
+         [P1, P2]),
+        (chatml("Who painted it?", system=f"Use the following context.\n\n{P1}\n\n{P2}\n\n{P3}"), [P1, P2]),
+        (chatml(f"Question: who? \nContext: {P3}\n\n{P1}\n\n{P2} \nAnswer:"), [P1]),
+        (f"<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nAnswer briefly from the passages below.\n\n"
+         f"{P1}\n\n{P2}\n\nWho built the lighthouse, and in which year?<|eot_id|>", [P1, P2]),
+        (f"Context:\n\n{P1}\n\n{P2}\n\nQuestion: who?\nAnswer:", [P1]),
+        (chatml(f"Context information is below.\n-----\n{P1}\n\n{P2}\n-----\nGiven the context information, answer "
+                "the query.\nQuery: who?\nAnswer: "), [P1, P2]),
+        (chatml(f"{P1} {P2}\nWho painted it?"), []),
+    ],
+)
+def test_unmarked_passages_are_the_runs_between_blank_lines(text, expected):
+    specials = CHATML_SPECIALS + ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
+    assert match.unmarked_passages(text, specials) == expected
+
+
+def test_a_pasted_context_is_learned_and_reused_by_the_next_prompt(make_engine):
+    """Nobody indexed or retrieved these passages: the first prompt learns them (blocks computed and stored),
+    the second, another question over the same passages, reuses them."""
+    engine = make_engine()
+    ask = lambda q: engine.generate_text(chatml(f"Context:\n\n{P1}\n\n{P2}\n\n{q}"), max_new_tokens=2)
+    first, second = ask("Who built the lighthouse in 1873?"), ask("Who painted the mural of Selby Cross?")
+    assert first.cache_hits.get("computed", 0) >= 2 and first.reused_tokens == 0
+    assert second.cache_hits.get("computed", 0) == 0
+    assert second.reused_tokens >= len(engine.layout.passage_ids(P1)) + len(engine.layout.passage_ids(P2))
+    assert P1 in engine.passages and P2 in engine.passages and "Who built" not in str(list(engine.passages._seen))
+
+
+def test_full_mode_and_a_spent_budget_learn_nothing(make_engine):
+    engine = make_engine(learn_prompts=1)
+    text = chatml(f"Context:\n\n{P1}\n\n{P2}\n\nWho built the lighthouse in 1873?")
+    engine.generate_text(text, mode="full", max_new_tokens=1)
+    assert len(engine.passages) == 0
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        engine.generate_text(text, max_new_tokens=1)
+        engine.generate_text(chatml(f"Context:\n\n{P2}\n\n{P3} and more, unknown.\n\nWho?"), max_new_tokens=1)
+    assert P1 in engine.passages and len(engine.passages) == 1
+    said = [str(w.message) for w in caught]
+    assert len(said) == 2 and "learn_prompts budget" in said[0] and "reused no KV" in said[1]
+
+
+def test_a_long_prompt_that_reuses_nothing_says_so_once(make_engine):
+    engine = make_engine(learn_prompts=0)
+    text = chatml(f"Context:\n\n{P1}\n\n{P2}\n\nWho built the lighthouse in 1873?")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        engine.generate_text(text, mode="full", max_new_tokens=1)  # full mode reuses by design
+        engine.generate_text("Who?", max_new_tokens=1)  # too short to have held passages
+        engine.generate_text(text, max_new_tokens=1)
+        engine.generate_text(text, max_new_tokens=1)
+    said = [str(w.message) for w in caught if "reused no KV" in str(w.message)]
+    assert len(said) == 1 and "blank line" in said[0] and "KVEngine.index" in said[0]
+
+
+def test_a_known_passage_that_ends_the_prompt_is_prefilled_as_the_question(make_engine):
+    engine = make_engine()
+    engine.learn([P1])
+    result = engine.generate_text(f"Who built it? {P1}", max_new_tokens=1)
+    assert result.reused_tokens == 0 and not result.cache_hits

@@ -49,8 +49,9 @@ def replicas(make_engine, tmp_path, url, n=2):
 
 def count_encodings(engine, monkeypatch) -> list:
     calls = []
-    encode = engine.blocks.encode
-    monkeypatch.setattr(engine.blocks, "encode", lambda ids, after=None: calls.append(ids) or encode(ids, after))
+    encode_many = engine.blocks.encode_many
+    monkeypatch.setattr(engine.blocks, "encode_many",
+                        lambda ids_list, after=None: calls.extend(ids_list) or encode_many(ids_list, after))
     return calls
 
 

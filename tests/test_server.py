@@ -385,6 +385,20 @@ def test_a_bad_request_never_disturbs_the_others(server, engine):
 # ---- passages, embeddings, health and metrics -----------------------------------------------------------
 
 
+def test_passages_pasted_into_messages_are_reused_by_the_next_request(server):
+    """An OpenAI client's own RAG prompt, its documents never sent to /v1/passages: the second question over
+    them reuses their KV (learned from the first prompt), in block mode."""
+    docs = [f"Document {uuid.uuid4().hex}: nobody indexed this text through the passages endpoint." for _ in range(2)]
+    ask = lambda q: chat(server, messages=[
+        {"role": "system", "content": "Answer from the documents."},
+        {"role": "user", "content": "Documents:\n\n" + "\n\n".join(docs) + f"\n\nQuestion: {q}"}],
+        max_tokens=2, kvrag={"mode": "block"}).json()
+    first, second = ask(QUESTION), ask("Which text did nobody index, and why?")
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    assert second["kvrag"]["cache_hits"].get("computed", 0) == 0
+
+
 def test_passages_endpoint(server, engine):
     other = "The river Olm freezes every winter."
     data = server.post("/v1/passages", json={"input": other}).json()["data"]
@@ -470,8 +484,8 @@ def test_kvrag_serve_wires_its_options(monkeypatch, capsys, tmp_path):
     monkeypatch.setenv("KVRAG_CHROMA", "")
     home = ["--home", str(tmp_path)]
     assert cli.main([*home, "serve", "--mode", "full", "--port", "9001", "--max-queue", "3",
-                     "--served-model-name", "smollm", "gpt-3.5-turbo"]) == 0
-    assert calls["engine"][1] == {"max_batch": 16, "max_queue": 3}
+                     "--served-model-name", "smollm", "gpt-3.5-turbo", "--learn-prompts", "0"]) == 0
+    assert calls["engine"][1] == {"max_batch": 16, "max_queue": 3, "learn_prompts": 0}
     assert calls["index"] == tmp_path / "chroma"  # the home's passage index, which `kvrag index` and `ask` use
     assert calls["app"] == ("the engine", {"api_key": "from-env", "default_mode": "full", "max_request_bytes": None,
                                            "max_passages": 256, "model_name": ["smollm", "gpt-3.5-turbo"],

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from . import families, kernels
-from .attention import forward
+from .attention import forward, forward_packed
 from .rope import delta_cos_sin, shift_keys
 from .store import BadBlock, KVBlock, KVStore
 from .workspace import Workspace, WorkspacePool
@@ -92,16 +92,35 @@ class Blocks:
     @torch.inference_mode()
     def encode(self, ids: list[int], after: list[int] | None = None) -> KVBlock:
         """KV of `ids` alone at position 0, or right after the (cached) block `after`."""
-        start = 0
-        ws = self.pool.acquire(len(after or ()) + len(ids))
+        return self.encode_many([ids], after)[0]
+
+    @torch.inference_mode()
+    def encode_many(self, ids_list: list[list[int]], after: list[int] | None = None) -> list[KVBlock]:
+        """`encode` of several passages in one forward (`forward_packed`, each in its own workspace and
+        attending to itself alone): on a GPU the linear layers then see all their tokens at once."""
+        workspaces = []
         try:
-            if after is not None:
-                part = (self.store.key("none", after), "none", after, None, True)
-                start, _, _ = self.place(ws, 0, part, self.store.get(part[0], "none"))
-            forward(self.model, ids, ws.cache(start), start, keep=-1, causal_only=not start)
-            return self.copy_out(ws, start, ids)
+            for ids in ids_list:
+                workspaces.append(self.pool.acquire(len(after or ()) + len(ids)))
+            starts = [self._place_after(ws, after) for ws in workspaces]
+            if len(ids_list) == 1:
+                forward(self.model, ids_list[0], workspaces[0].cache(starts[0]), starts[0], keep=-1,
+                        causal_only=not starts[0])
+            else:
+                forward_packed(self.model, [(ids, ws.cache(start), start)
+                                            for ids, ws, start in zip(ids_list, workspaces, starts)])
+            return [self.copy_out(ws, start, ids) for ids, ws, start in zip(ids_list, workspaces, starts)]
         finally:
-            self.pool.release(ws)
+            for ws in workspaces:
+                self.pool.release(ws)
+
+    def _place_after(self, ws: Workspace, after: list[int] | None) -> int:
+        """Put the cached block `after` at the start of `ws` (nothing if None); the slot after it."""
+        if after is None:
+            return 0
+        part = (self.store.key("none", after), "none", after, None, True)
+        start, _, _ = self.place(ws, 0, part, self.store.get(part[0], "none"))
+        return start
 
     def copy_out(self, ws: Workspace, slot: int, ids: list[int]) -> KVBlock:
         """A stored copy of the KV that `ids` left in workspace slots slot.. (keys as encoded there): on

@@ -12,8 +12,10 @@ import os
 import re
 import threading
 import time
+import warnings
+from collections import deque
 from collections.abc import Iterable
-from contextlib import nullcontext
+from contextlib import ExitStack, nullcontext
 from pathlib import Path
 
 import torch
@@ -25,7 +27,7 @@ from .blend import BlendConfig
 from .decode import Generation, GenerationResult, GenerationStream, Prefiller, Sampler
 from .errors import ContextOverflowError, EmptyInputError, UnknownBlockError
 from .locks import file_lock
-from .match import PassageMatcher
+from .match import PassageMatcher, unmarked_passages
 from .paths import kvrag_home, writable_home
 from .prompt import Prompt, PromptFormat, PromptLayout, check_text
 from .remote import Remote, shared_secret
@@ -34,6 +36,12 @@ from .store import BlockShape, KVStore, default_storage_dtype, parse_size
 from .workspace import WorkspacePool
 
 ADAPTER_SCOPES = ("block", "all")
+LEARN_PROMPTS = 4096
+"""Passages an engine learns from prompts at most: what a chat history or one-off pastes add is bounded."""
+PACK_TOKENS_CPU, PACK_TOKENS_MAX = 1024, 65536
+"""Passage tokens one indexing forward encodes on a CPU, and at most on a GPU (see `KVEngine._pack_tokens`)."""
+UNREUSED_WARNING_TOKENS = 64
+"""A prompt this long that reuses nothing in a reusing mode most likely held passages: said once."""
 DEFAULT_MODE = "full"
 """The mode of requests that name none: by docs/accuracy.md's rule no reusing mode keeps full's accuracy on the
 default model, with its shipped adapter or without; an engine whose weights hold it passes its own."""
@@ -50,7 +58,8 @@ class KVEngine:
                  fingerprint: str | None = None, causal_fingerprint: str | None = None,
                  blend: BlendConfig | None = None, max_batch: int = 16, max_queue: int = 256,
                  remote: "str | Remote | None" = None, secret: str | bytes | None = None,
-                 disk_budget: int | str | None = None, default_mode: str = DEFAULT_MODE):
+                 disk_budget: int | str | None = None, default_mode: str = DEFAULT_MODE,
+                 learn_prompts: int = LEARN_PROMPTS):
         """`causal_model`: other weights for the causal modes (full, prefix), say the published ones when
         `model` carries a block-tuned adapter (default: `model` in every mode). The engine runs on the
         model's device. `storage_dtype`: the stored KV's (default: the model's half dtype, else float16).
@@ -65,7 +74,9 @@ class KVEngine:
         $KVRAG_SECRET; required with a remote tier, see `remote.shared_secret`). `disk_budget`: bytes (or
         "20G", "500M") of KV files kept under the home's kv/ directory, least recently used evicted
         (default: $KVRAG_DISK_BUDGET, else whatever keeps a tenth of the disk free). `default_mode`: the mode
-        of requests that name none (docs/accuracy.md says which mode holds full's answers on which weights)."""
+        of requests that name none (docs/accuracy.md says which mode holds full's answers on which weights).
+        `learn_prompts`: how many passages this engine may learn from the rendered prompts it completes in a
+        reusing mode (`stream_text`: the text between blank lines, see `match.unmarked_passages`); 0: none."""
         families.check_supported(model.config)
         if default_mode not in modes.MODES:
             raise ValueError(f"default_mode must be one of {modes.MODES}, got {default_mode!r}")
@@ -107,6 +118,8 @@ class KVEngine:
         self.eos_ids = loading.eos_ids(model, tokenizer)
         self.blend = self._check_blend(blend or BlendConfig())
         self._known: dict[str, list[int]] = {}  # block key -> token ids, for ids handed out by index()
+        self.learn_prompts = self._learn_left = learn_prompts
+        self._said: set[str] = set()  # the warnings said once
 
     @classmethod
     def from_pretrained(
@@ -203,11 +216,14 @@ class KVEngine:
 
     # ---- index: passages -> blocks in the store ------------------------------------------------------
 
-    def index(self, texts: Iterable[str], *, progress: bool = True, names: Iterable[str] | None = None) -> list[str]:
+    def index(self, texts: Iterable[str], *, progress: bool = True, names: Iterable[str] | None = None,
+              pack_tokens: int | None = None) -> list[str]:
         """Compute and store the KV of every passage that is not stored yet; return their block ids.
 
         Every passage is checked before anything is computed, so a bad one stores nothing. `names`
-        label the passages in error messages (default "passage 0", "passage 1", ...).
+        label the passages in error messages (default "passage 0", "passage 1", ...). `pack_tokens`: how
+        many tokens of passages one forward encodes together (default `_pack_tokens()`: 1024 on a CPU, what a
+        quarter of a GPU's free memory holds there; 0: one passage per forward).
         """
         threads.adapt()
         texts = list(texts) if not isinstance(texts, str) else [texts]
@@ -228,26 +244,53 @@ class KVEngine:
         for key, block_context, ids, encoded_after in shared:
             with self._claim(key, wait=True):
                 self.blocks.fetch(key, block_context, ids, encoded_after)
+        pack = self._pack_tokens() if pack_tokens is None else pack_tokens
         with tqdm(total=len(todo), desc="kvrag: encoding passages", unit="passage",
                   disable=not progress or not todo) as bar:
             encoded = 0  # tokens, for the rate beside the passages'
             for wait in (False, True):  # the blocks nobody else is encoding first, then wait for the others
-                busy = {}
-                for key, ids in todo.items():
-                    with self._claim(key, wait) as claimed:
-                        if not claimed:
-                            busy[key] = ids
-                            continue
-                        if key not in self.store:  # stored by another process since `todo` was made
-                            self.store.put(key, context, self.blocks.encode(ids, after), strict=True)
-                            encoded += len(ids)
-                    rate = encoded / max(bar.format_dict["elapsed"], 1e-3)
-                    bar.set_postfix_str(f"{rate:.0f} tokens/s", refresh=False)
-                    bar.update()
+                busy, items = {}, deque(todo.items())
+                while items:
+                    with ExitStack() as claims:
+                        group, tokens = [], 0
+                        # only the group's claims are held, and only while none is waited for: no deadlock
+                        while items and (not group or (not wait and tokens + len(items[0][1]) <= pack)):
+                            key, ids = items.popleft()
+                            held = ExitStack()
+                            claimed = held.enter_context(self._claim(key, wait))
+                            if claimed and key not in self.store:
+                                claims.enter_context(held)  # released once the group is stored
+                                group.append((key, ids))
+                                tokens += len(ids)
+                                continue
+                            held.close()
+                            if claimed:  # stored by another process since `todo` was made
+                                bar.update()
+                            else:
+                                busy[key] = ids
+                        if group:
+                            blocks = self.blocks.encode_many([ids for _, ids in group], after)
+                            for (key, _), block in zip(group, blocks):
+                                self.store.put(key, context, block, strict=True)
+                    encoded += tokens
+                    bar.set_postfix_str(f"{encoded / max(bar.format_dict['elapsed'], 1e-3):.0f} tokens/s", refresh=False)
+                    bar.update(len(group))
                 todo = busy
         self._known.update(zip(keys, ids_list))
         self.passages.add(texts)
         return [f"kv_{k}" for k in keys]
+
+    def _pack_tokens(self) -> int:
+        """Passage tokens one forward encodes while indexing. On a GPU, as many as a quarter of its free memory
+        holds (their workspace KV and activations), so that its linear layers run full; on a CPU `PACK_TOKENS_CPU`,
+        which the matrix products there run faster on than on one passage's rows (`kvrag bench index`)."""
+        if self.model.device.type != "cuda":
+            return PACK_TOKENS_CPU
+        free, _ = torch.cuda.mem_get_info(self.model.device)
+        config = self.model.config
+        kv = 2 * config.num_hidden_layers * config.num_key_value_heads * families.head_dim(config)
+        per_token = (kv + 8 * config.hidden_size + 3 * config.intermediate_size) * self.model.dtype.itemsize
+        return int(min(PACK_TOKENS_MAX, free // 4 // per_token))
 
     def _claim(self, key: str, wait: bool):
         """Context manager: whether this process may encode block `key` now, the other processes indexing
@@ -309,7 +352,11 @@ class KVEngine:
         the given (start, end) character spans, or (None) the indexed passages found in it by content.
         See `PromptLayout.cut`."""
         text = check_text(text, "prompt")
-        prompt = self.layout.cut(text, self.passages.find(text) if spans is None else spans)
+        if spans is None:
+            spans = self.passages.find(text)
+            if spans and not text[spans[-1][1] :].strip():  # a known passage ends it: the question, then
+                spans.pop()
+        prompt = self.layout.cut(text, spans)
         for i, ids in enumerate(prompt.blocks):
             self._check_fits(len(prompt.prefix) + len(ids), f"block {i} of the prompt")
         self._check_fits(len(prompt), "the prompt with its passages")
@@ -382,8 +429,44 @@ class KVEngine:
     def stream_text(self, text: str, spans=None, **kwargs) -> GenerationStream:
         """Stream the completion of an already rendered prompt (chat template applied), its passages
         (the given character spans, or the indexed passages found in it) reused as blocks. Options as
-        for `stream`; see `prompt_from_text` for how the text is cut."""
-        return self._stream(lambda: self.prompt_from_text(text, spans), **kwargs)
+        for `stream`; see `prompt_from_text` for how the text is cut.
+
+        In a reusing mode, passages found in the text without being told (`match.unmarked_passages`: text
+        between blank lines) are learned first, within the engine's `learn_prompts`: they become blocks,
+        encoded and stored now and reused by the next prompt that holds them."""
+        reusing = spans is None and (kwargs.get("mode") or self.default_mode) in modes.BLOCK_MODES
+
+        def build():
+            if reusing:
+                self._learn_from(text)
+            prompt, keys = self.prompt_from_text(text, spans)
+            if reusing and not prompt.blocks and len(prompt) >= UNREUSED_WARNING_TOKENS:
+                self._say_once("unreused", f"kvrag: a prompt of {len(prompt)} tokens held no passage kvrag has "
+                               "indexed or could learn, so it reused no KV. Index passages ahead (KVEngine.index, "
+                               "the integrations' vector stores, POST /v1/passages) or put a blank line between "
+                               "the passages a prompt pastes in, which kvrag learns. (Said once.)")
+            return prompt, keys
+
+        return self._stream(build, **kwargs)
+
+    def _learn_from(self, text: str) -> None:
+        if self._learn_left <= 0:
+            return
+        found = unmarked_passages(text, self.tokenizer.all_special_tokens, self.passages.min_chars)
+        found = [t for t in found if t not in self.passages][: self._learn_left]
+        if not found:
+            return
+        self._learn_left -= len(found)
+        self.passages.add(found)
+        if self._learn_left <= 0:
+            self._say_once("budget", f"kvrag: this engine has learned {self.learn_prompts} passages from prompts, "
+                           "its learn_prompts budget: passages new to later prompts are prefilled as text. Index "
+                           "them ahead (KVEngine.index) to reuse them.")
+
+    def _say_once(self, what: str, message: str) -> None:
+        if what not in self._said:
+            self._said.add(what)
+            warnings.warn(message, RuntimeWarning, stacklevel=4)
 
     def _stream(self, build, *, mode: str | None = None, max_new_tokens: int = 128, temperature: float = 0.0,
                 top_p: float = 1.0, top_k: int = 0, seed: int | None = None, stop: list[str] | str | None = None,

@@ -8,10 +8,15 @@ characters occur, and an exact string comparison confirms the whole passage.
 Known passages persist in a small SQLite file next to their KV, so a chat model in one process
 finds passages that a vector store indexed in another; with a remote tier (remote.py) they are
 also registered there, so a replica on another machine finds them too.
+
+A prompt whose passages nobody indexed or retrieved (text pasted into a template) teaches the matcher
+its own: `unmarked_passages` proposes the runs of text between blank lines, which the engine learns
+before answering, so the next prompt holding them reuses their KV.
 """
 
 import hashlib
 import os
+import re
 import sqlite3
 import threading
 import uuid
@@ -48,6 +53,33 @@ def window_hashes(text: str, width: int) -> np.ndarray:
         sums = np.concatenate(([np.uint64(0)], np.cumsum(codes * _powers(_BASE, n), dtype=np.uint64)))
         # sums[i + w] - sums[i] = base**i * hash(window at i); multiply the base**i away
         return (sums[width:] - sums[: n - width + 1]) * _powers(_BASE_INV, n - width + 1)
+
+
+_BLANK = r"\n[ \t]*(?:[-=*_~]{3,}[ \t]*)?\n\s*"
+"""A blank line, or a rule ("---", "===") on a line of its own, as LlamaIndex's prompts frame their context."""
+_LABEL = re.compile(r"[^\n]{1,40}:[ \t]*\n")
+"""A short first line ending in a colon ("Context:", "Sources:"): a template's label, not the passage's."""
+
+
+def unmarked_passages(text: str, special_tokens=(), min_chars: int = 32) -> list[str]:
+    """The texts a rendered prompt probably holds as passages, found without being told: each run of text
+    that a blank line (or a rule) opens and a blank line or a special token (the chat template's) closes, less a
+    label line, at least `min_chars` long. The last such long run of the prompt is left out (the question,
+    or the passage the question is glued to), and so is the first of each message (opened by the
+    template: an instruction, or the passage glued to it), so that neither becomes a block."""
+    boundary = "|".join([_BLANK, *map(re.escape, sorted(special_tokens, key=len, reverse=True))])
+    runs, start, opened = [], 0, False
+    for m in re.finditer(boundary, text):
+        run = text[start : m.start()]
+        runs.append((run, opened))
+        blank = m.group().startswith("\n")
+        opened = blank and (bool(run.strip()) or opened)  # a blank line right after a special token opens nothing
+        start = m.end()
+    runs.append((text[start:], opened))
+    runs = [((run[label.end() :] if (label := _LABEL.match(run)) else run).strip(), opened) for run, opened in runs]
+    long = [i for i, (run, _) in enumerate(runs) if len(run) >= min_chars]
+    keep = set(long[:-1])
+    return [run for i, (run, opened) in enumerate(runs) if opened and i in keep]
 
 
 def _open(path) -> sqlite3.Connection:
@@ -120,6 +152,10 @@ class PassageMatcher:
     def __len__(self) -> int:
         self._refresh()
         return len(self._seen)
+
+    def __contains__(self, text: str) -> bool:
+        self._refresh()
+        return text in self._seen
 
     def add(self, texts) -> None:
         texts = [t for t in dict.fromkeys(texts) if len(t) >= self.min_chars]

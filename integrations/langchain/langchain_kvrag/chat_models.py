@@ -15,12 +15,11 @@ prompt that renders to the same text gives the same blocks and the same answer e
 """
 
 import asyncio
-import warnings
 from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from kvrag import BLOCK_MODES, GenerationResult, KVEngine, Mode, Passage
+from kvrag import GenerationResult, KVEngine, Mode, Passage
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
 from langchain_core.language_models import BaseChatModel, LangSmithParams
 from langchain_core.language_models.chat_models import agenerate_from_stream, generate_from_stream
@@ -40,9 +39,6 @@ from langchain_kvrag import callbacks as kv_callbacks
 
 _ROLES = {HumanMessage: "user", AIMessage: "assistant", SystemMessage: "system"}
 _CALL_OPTIONS = ("mode", "max_tokens", "temperature", "top_p", "top_k", "seed")
-# A drop-in prompt this long that held no known passage most likely held documents kvrag never saw.
-_WARN_PROMPT_TOKENS = 256
-_warned = False
 
 
 class ChatKVRag(BaseChatModel):
@@ -167,13 +163,13 @@ class ChatKVRag(BaseChatModel):
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> Iterator[ChatGenerationChunk]:
-        stream, spans, mode = self._submit(messages, stop, kwargs)
+        stream, mode = self._submit(messages, stop, kwargs)
         for delta in stream:
             chunk = ChatGenerationChunk(message=AIMessageChunk(content=delta))
             if run_manager:
                 run_manager.on_llm_new_token(delta, chunk=chunk)
             yield chunk
-        yield self._last_chunk(stream.result, spans, mode)
+        yield self._last_chunk(stream.result, mode)
 
     async def _astream(
         self,
@@ -185,13 +181,13 @@ class ChatKVRag(BaseChatModel):
         """Read from the engine's scheduler on the event loop: concurrent calls (`abatch`, many users) are
         decoded in one batch. The prompt is built (tokenized, its passages found) on a pool thread, so a
         long one never holds up the loop."""
-        stream, spans, mode = await asyncio.to_thread(self._submit, messages, stop, kwargs)
+        stream, mode = await asyncio.to_thread(self._submit, messages, stop, kwargs)
         async for delta in stream:
             chunk = ChatGenerationChunk(message=AIMessageChunk(content=delta))
             if run_manager:
                 await run_manager.on_llm_new_token(delta, chunk=chunk)
             yield chunk
-        yield self._last_chunk(stream.result, spans, mode)
+        yield self._last_chunk(stream.result, mode)
 
     def _generate(
         self,
@@ -202,8 +198,8 @@ class ChatKVRag(BaseChatModel):
     ) -> ChatResult:
         if self.streaming:
             return generate_from_stream(self._stream(messages, stop, run_manager, **kwargs))
-        stream, spans, mode = self._submit(messages, stop, kwargs)
-        return self._chat_result(stream.drain(), spans, mode)
+        stream, mode = self._submit(messages, stop, kwargs)
+        return self._chat_result(stream.drain(), mode)
 
     async def _agenerate(
         self,
@@ -214,18 +210,17 @@ class ChatKVRag(BaseChatModel):
     ) -> ChatResult:
         if self.streaming:
             return await agenerate_from_stream(self._astream(messages, stop, run_manager, **kwargs))
-        stream, spans, mode = await asyncio.to_thread(self._submit, messages, stop, kwargs)
+        stream, mode = await asyncio.to_thread(self._submit, messages, stop, kwargs)
         async for _ in stream:
             pass
-        return self._chat_result(stream.result, spans, mode)
+        return self._chat_result(stream.result, mode)
 
     def _submit(self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any]):
         options = self._options(stop, kwargs)
         text, spans = self.render(messages)
-        return self.engine.stream_text(text, spans, **options), spans, options["mode"]
+        return self.engine.stream_text(text, spans, **options), options["mode"]
 
-    def _last_chunk(self, result: GenerationResult, spans, mode: str) -> ChatGenerationChunk:
-        _check_reuse(result, spans, mode)
+    def _last_chunk(self, result: GenerationResult, mode: str) -> ChatGenerationChunk:
         return ChatGenerationChunk(
             message=AIMessageChunk(
                 content="",
@@ -236,8 +231,7 @@ class ChatKVRag(BaseChatModel):
             generation_info={"finish_reason": result.finish_reason},
         )
 
-    def _chat_result(self, result: GenerationResult, spans, mode: str) -> ChatResult:
-        _check_reuse(result, spans, mode)
+    def _chat_result(self, result: GenerationResult, mode: str) -> ChatResult:
         message = AIMessage(content=result.text, usage_metadata=_usage(result), response_metadata=self._metadata(result, mode))
         return ChatResult(generations=[ChatGeneration(message=message, generation_info={"finish_reason": result.finish_reason})])
 
@@ -253,27 +247,6 @@ class ChatKVRag(BaseChatModel):
             "cache_hits": dict(result.cache_hits),
             "finish_reason": result.finish_reason,
         }
-
-
-def _check_reuse(result: GenerationResult, spans, mode: str) -> None:
-    """Say once per process when a long drop-in prompt in a block mode held no passage the engine knew:
-    it reused nothing, though it most likely held documents (which only a retriever run, KVRagEmbeddings
-    or indexing makes known)."""
-    global _warned
-    if _warned or spans is not None or mode not in BLOCK_MODES or result.cache_hits:
-        return
-    if result.prompt_tokens < _WARN_PROMPT_TOKENS:
-        return
-    _warned = True
-    warnings.warn(
-        f"ChatKVRag: this prompt ({result.prompt_tokens} tokens) held no passage the engine knows, so no KV "
-        "was reused and every token was prefilled. Documents are learned when a retriever returns them in "
-        "this process (vector_store.as_retriever() in the chain), when a prompt template's 'context' variable "
-        "holds them (as LangChain's RAG prompts do) or when KVRagEmbeddings embeds them; text written into the "
-        "prompt otherwise is not: add it through KVRagVectorStore or llm.engine.index(texts). (Said once per "
-        "process.)",
-        stacklevel=3,
-    )
 
 
 def _usage(result: GenerationResult) -> UsageMetadata:

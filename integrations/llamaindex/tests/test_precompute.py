@@ -1,6 +1,6 @@
 """KVPrecompute in LlamaIndex's ingestion paths, on the real default model and a persistent Chroma.
 
-Computed blocks are counted through `engine.blocks.encode` (the `encoded` fixture); each test ingests
+Computed blocks are counted through `engine.blocks.encode_many` (the `encoded` fixture); each test ingests
 documents of its own so that nothing was stored before it.
 """
 

@@ -22,6 +22,7 @@ MODES = ("full", "block", "composite", "prefix", "blend", "auto")
 """kvrag.MODES, and below the engine's and blend's choices the options take, written here so that neither
 `kvrag --help` nor a bad argument waits for torch to be imported."""
 ADAPTER_SCOPES, BLOCK_CONTEXTS, BLEND_SELECT = ("block", "all"), ("none", "prefix"), ("deviation", "attention")
+LEARN_PROMPTS = 4096
 
 BENCH_METHODS = ("full", "map_reduce", "map_rerank", "block", "blend", "composite")
 """kvrag.eval.accuracy.METHODS: what `bench accuracy` runs by default."""
@@ -222,7 +223,7 @@ def cmd_serve(args):
     index = PassageIndex(chroma)
     options = {"max_request_bytes": args.max_request_bytes, "max_passages": args.max_passages,
                "passage_index": index, "embedder": index.embedder}
-    engine = _engine(args, max_batch=args.max_batch, max_queue=args.max_queue)
+    engine = _engine(args, max_batch=args.max_batch, max_queue=args.max_queue, learn_prompts=args.learn_prompts)
     app = create_app(engine, api_key=_api_key(args), default_mode=args.mode, model_name=args.served_model_name,
                      **options)
     print(f"kvrag: OpenAI-compatible API on http://{args.host}:{args.port}/v1"
@@ -740,6 +741,9 @@ def build_parser(finetune_config: dict | None = None) -> argparse.ArgumentParser
                                                          "arrives (default: 64 bytes a token of the model's context "
                                                          "window, at least 1 MiB)")
     p.add_argument("--max-passages", type=int, default=256, help="most passages one POST /v1/passages may carry")
+    p.add_argument("--learn-prompts", type=int, default=LEARN_PROMPTS, metavar="N",
+                   help="most passages learned from the messages themselves (text between blank lines), reused by "
+                        "later requests in the reusing modes; 0: none (default: %(default)s)")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
                    help="uvicorn's log level")
     p.set_defaults(func=cmd_serve)

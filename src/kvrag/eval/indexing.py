@@ -1,8 +1,9 @@
 """How fast `KVEngine.index` encodes passages, beside the limit of the hardware: a plain batched forward of
 the base model over the same tokens, in the same dtype.
 
-Indexing is one forward per passage (its KV is the product), so on a CPU it is compute-bound and a batched
-forward cannot do much better; a cheaper dtype or more machines can. Each run indexes passages no run has
+`KVEngine.index` packs several passages into each forward (1024 tokens on a CPU, up to 65536 on a GPU),
+each attending to itself alone; "one at a time" shows what that gains. On a CPU it is compute-bound, so a
+cheaper dtype or more machines go further. Each run indexes passages no run has
 stored before (distinct texts, the same lengths; the engines store in memory only), and the dtypes take
 turns, so a busy machine affects them alike.
 """
@@ -37,36 +38,39 @@ def plain_forward(model, ids_list: list[list[int]], batch: int = 8) -> float:
 
 def index_table(model: str | None, dtypes=("float32", "bfloat16"), passages: int = 32, tokens: int = 160,
                 runs: int = 2, device: str = "cpu", adapter="auto", home=None, progress=print) -> list[dict]:
-    """Per dtype: passages/s and tokens/s of `KVEngine.index` and tokens/s of `plain_forward`, medians of
-    `runs` alternating runs over `passages` fresh passages of about `tokens` tokens each."""
+    """Per dtype: passages/s and tokens/s of `KVEngine.index` (passages packed per forward as it does by default:
+    on a GPU), its tokens/s one passage per forward, and tokens/s of `plain_forward`: medians of `runs`
+    alternating runs over `passages` fresh passages of about `tokens` tokens each."""
     engines = {d: KVEngine.from_pretrained(model, dtype=d, device=device, adapter=adapter, home=home, persist=False,
                                            warm_up=False) for d in dtypes}  # stored in memory only
-    times = {d: {"index": [], "plain": []} for d in dtypes}
+    times = {d: {"index": [], "alone": [], "plain": []} for d in dtypes}
     counts = {}
     for run in range(runs):
         for dtype, engine in engines.items():
-            texts = make_passages(engine, passages * tokens, block_tokens=tokens, tag=f"{uuid.uuid4().hex[:8]}-")
+            for way, pack in (("index", None), ("alone", 0)):
+                texts = make_passages(engine, passages * tokens, block_tokens=tokens, tag=f"{uuid.uuid4().hex[:8]}-")
+                start = time.perf_counter()
+                engine.index(texts, progress=False, pack_tokens=pack)
+                times[dtype][way].append(time.perf_counter() - start)
             ids = [engine.layout.passage_ids(t) for t in texts]
             counts[dtype] = (len(texts), sum(map(len, ids)))
-            start = time.perf_counter()
-            engine.index(texts, progress=False)
-            times[dtype]["index"].append(time.perf_counter() - start)
             times[dtype]["plain"].append(plain_forward(engine.model, ids))
     rows = []
     for dtype in dtypes:
         n, total = counts[dtype]
-        index, plain = (statistics.median(times[dtype][k]) for k in ("index", "plain"))
+        index, alone, plain = (statistics.median(times[dtype][k]) for k in ("index", "alone", "plain"))
         rows.append({"dtype": dtype, "passages": n, "tokens": total, "passages_per_s": n / index,
-                     "tokens_per_s": total / index, "plain_tokens_per_s": total / plain})
+                     "tokens_per_s": total / index, "alone_tokens_per_s": total / alone,
+                     "plain_tokens_per_s": total / plain})
         progress(format_row(rows[-1]))
     return rows
 
 
-HEADER = (f"{'dtype':>9} {'passages':>8} {'tokens':>7} {'passages/s':>10} {'tokens/s':>9} {'plain tokens/s':>14} "
-          f"{'index/plain':>11}")
+HEADER = (f"{'dtype':>9} {'passages':>8} {'tokens':>7} {'passages/s':>10} {'tokens/s':>9} {'one at a time':>13} "
+          f"{'plain tokens/s':>14} {'index/plain':>11}")
 
 
 def format_row(row) -> str:
     return (f"{row['dtype']:>9} {row['passages']:>8} {row['tokens']:>7} {row['passages_per_s']:>10.2f} "
-            f"{row['tokens_per_s']:>9.0f} {row['plain_tokens_per_s']:>14.0f} "
+            f"{row['tokens_per_s']:>9.0f} {row['alone_tokens_per_s']:>13.0f} {row['plain_tokens_per_s']:>14.0f} "
             f"{row['tokens_per_s'] / row['plain_tokens_per_s']:>11.2f}")

@@ -158,14 +158,15 @@ def count_passage_encodings(engine, passages: list[str]) -> dict:
     """Wrap the engine's encoder to count, per corpus passage, how often its KV is computed."""
     by_ids = {tuple(engine.layout.passage_ids(p)): p for p in passages}
     counts = dict.fromkeys(passages, 0)
-    encode = engine.blocks.encode
+    encode_many = engine.blocks.encode_many
 
-    def counting(ids, after=None):
-        if tuple(ids) in by_ids:
-            counts[by_ids[tuple(ids)]] += 1
-        return encode(ids, after)
+    def counting(ids_list, after=None):
+        for ids in ids_list:
+            if tuple(ids) in by_ids:
+                counts[by_ids[tuple(ids)]] += 1
+        return encode_many(ids_list, after)
 
-    engine.blocks.encode = counting
+    engine.blocks.encode_many = counting
     return counts
 
 

@@ -1,10 +1,9 @@
 """Reuse without an extra step (langchain_kvrag.callbacks), on a tiny random-weight model: LangChain's
 RAG tutorial with a plain in-memory Chroma and ChatKVRag reuses KV from the second question that
-retrieves the same documents; a long prompt that could reuse nothing says so once."""
+retrieves the same documents, and so does a context pasted into the message by hand."""
 
 import gc
 import uuid
-import warnings
 
 import pytest
 import torch
@@ -17,7 +16,7 @@ from langchain_core.runnables import RunnablePassthrough
 
 from tiny import tiny_configs, tiny_model, tiny_tokenizer
 
-from langchain_kvrag import ChatKVRag, KVRagEmbeddings, callbacks, chat_models
+from langchain_kvrag import ChatKVRag, KVRagEmbeddings, callbacks
 
 QUESTION = "Who built the lighthouse?"
 
@@ -134,25 +133,13 @@ def test_a_dropped_model_stops_learning(engine):
     assert engine not in callbacks._handler.engines()
 
 
-def test_a_long_prompt_that_reuses_nothing_warns_once(engine, monkeypatch):
-    monkeypatch.setattr(chat_models, "_warned", False)
-    monkeypatch.setattr(chat_models, "_WARN_PROMPT_TOKENS", 20)
+def test_a_context_pasted_into_the_prompt_by_hand_is_reused_from_the_second_call(engine):
+    """No retriever, no `context` variable, no kvrag embeddings: documents written into the message itself,
+    a blank line between them, are learned by the engine from the first prompt."""
     llm = ChatKVRag(engine=engine, max_tokens=2)
-    text = f"Context: {uuid.uuid4().hex} nobody retrieved or indexed this text.\n\nWho built it?"
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        llm.invoke(text)
-        llm.invoke(text)
-        ChatKVRag(engine=engine, max_tokens=2, mode="full").invoke(text)
-    said = [w for w in caught if "held no passage the engine knows" in str(w.message)]
-    assert len(said) == 1 and "as_retriever" in str(said[0].message)
-
-
-def test_short_prompts_and_full_mode_do_not_warn(engine, monkeypatch):
-    monkeypatch.setattr(chat_models, "_warned", False)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        ChatKVRag(engine=engine, max_tokens=2).invoke("Hello!")
-        long = "Context: " + " ".join(["the ferry stops until March"] * 20) + "\n\nWhen?"
-        ChatKVRag(engine=engine, max_tokens=2, mode="full").invoke(long)
-    assert not [w for w in caught if "ChatKVRag" in str(w.message)]
+    tag = uuid.uuid4().hex
+    docs = "\n\n".join(f"Document {tag} {i}: nobody retrieved or indexed this text, ever." for i in range(2))
+    first = llm.invoke(f"Answer from the documents.\n\n{docs}\n\n{QUESTION}")
+    second = llm.invoke(f"Answer from the documents.\n\n{docs}\n\nWho else built it, and when?")
+    assert first.response_metadata["reused_tokens"] == 0
+    assert second.response_metadata["reused_tokens"] > 0

@@ -175,13 +175,13 @@ class KVRagLLM(CustomLLM):
 
     def _generate(self, rendered: tuple[str, Any], options: dict[str, Any]) -> tuple[str, dict, dict]:
         result = self._engine.generate_text(*rendered, **options)
-        return result.text, *self._finish(result, rendered, options)
+        return result.text, *self._finish(result)
 
     async def _agenerate(self, rendered: tuple[str, Any], options: dict[str, Any]) -> tuple[str, dict, dict]:
         stream = await asyncio.to_thread(self._engine.stream_text, *rendered, **options)  # tokenized off the loop
         async for _ in stream:
             pass
-        return stream.result.text, *self._finish(stream.result, rendered, options)
+        return stream.result.text, *self._finish(stream.result)
 
     def _stream(self, rendered: tuple[str, Any], options: dict[str, Any]) -> Iterator[tuple[str, str, dict, dict | None]]:
         """(text so far, delta, stats, raw) per token; a last item with an empty delta carries the stats."""
@@ -190,7 +190,7 @@ class KVRagLLM(CustomLLM):
         for delta in stream:
             text += delta
             yield text, delta, {}, None
-        yield text, "", *self._finish(stream.result, rendered, options)
+        yield text, "", *self._finish(stream.result)
 
     async def _astream(self, rendered: tuple[str, Any], options: dict[str, Any]) -> AsyncIterator[tuple[str, str, dict, dict | None]]:
         stream = await asyncio.to_thread(self._engine.stream_text, *rendered, **options)  # tokenized off the loop
@@ -198,11 +198,11 @@ class KVRagLLM(CustomLLM):
         async for delta in stream:
             text += delta
             yield text, delta, {}, None
-        yield text, "", *self._finish(stream.result, rendered, options)
+        yield text, "", *self._finish(stream.result)
 
-    def _finish(self, result: GenerationResult, rendered: tuple[str, Any], options: dict[str, Any]) -> tuple[dict, dict]:
+    def _finish(self, result: GenerationResult) -> tuple[dict, dict]:
         stats = self._stats(result)
-        learning.observe(stats, options["mode"], explicit=rendered[1] is not None)
+        learning.observe(stats)
         return stats, asdict(result)
 
     # Prompts and options are checked when called; only generation waits for the first `next`.

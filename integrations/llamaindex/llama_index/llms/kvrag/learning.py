@@ -14,12 +14,10 @@ completion has not run yet when the synthesis ends).
 """
 
 import threading
-import warnings
 import weakref
 from contextvars import ContextVar
 from typing import Any
 
-from kvrag import BLOCK_MODES
 from llama_index.core.base.response.schema import Response
 from llama_index.core.instrumentation import get_dispatcher
 from llama_index.core.instrumentation.event_handlers import BaseEventHandler
@@ -32,7 +30,6 @@ from llama_index.core.schema import MetadataMode
 _llms: dict[int, weakref.ref] = {}
 _lock = threading.Lock()
 _handler: "KVRagEventHandler | None" = None
-_warned = False
 # The figures of the synthesis running in this context: a dict shared by reference with the worker
 # threads and tasks that the synthesizer's LLM calls run in (they copy the context, not the dict).
 _synthesis: ContextVar[dict | None] = ContextVar("kvrag_synthesis", default=None)
@@ -49,19 +46,17 @@ class KVRagEventHandler(BaseEventHandler):
         if isinstance(event, RetrievalEndEvent):
             learn([n.node.get_content(metadata_mode=MetadataMode.LLM) for n in event.nodes or []])
         elif isinstance(event, SynthesizeStartEvent):
-            _synthesis.set({"figures": {}, "unmatched": 0, "matched": 0})
+            _synthesis.set({})
         elif isinstance(event, SynthesizeEndEvent):
             state = _synthesis.get()
             _synthesis.set(None)
             if state is None:
                 return
             response = event.response
-            if state["figures"] and isinstance(response, Response):
+            if state and isinstance(response, Response):
                 if response.metadata is None:
                     response.metadata = {}
-                response.metadata.setdefault("kvrag", state["figures"])
-            if state["unmatched"] and not state["matched"]:
-                _warn_once()
+                response.metadata.setdefault("kvrag", state)
 
 
 def register(llm: Any) -> None:
@@ -85,30 +80,9 @@ def learn(texts: list[str]) -> None:
         engine.learn(texts)
 
 
-def observe(stats: dict[str, Any], mode: str, explicit: bool) -> None:
-    """After each completion inside a synthesis: keep its figures (the last one's win), and count
-    whether its prompt (drop-in, a block mode) held a passage the engine knew."""
+def observe(stats: dict[str, Any]) -> None:
+    """After each completion inside a synthesis: keep its figures (the last one's win)."""
     state = _synthesis.get()
-    if state is None:
-        return
-    state["figures"] = stats
-    if explicit or stats["cache_hits"]:
-        state["matched"] += 1
-    elif mode in BLOCK_MODES:
-        state["unmatched"] += 1
-
-
-def _warn_once() -> None:
-    """A whole synthesis in a block mode found no passage it knew: say so once per process.
-    (Per synthesis, not per call: tree_summarize's last call, over the partial answers, holds none.)"""
-    global _warned
-    if _warned:
-        return
-    _warned = True
-    warnings.warn(
-        "KVRagLLM: no prompt of this synthesis held a passage the engine knows, so no KV was reused and "
-        "every token was prefilled. Nodes are learned when a retriever returns them in this process "
-        "(a query engine's retriever does); nodes handed to a synthesizer by hand are not: index them "
-        "ahead with KVPrecompute in the ingestion pipeline, or llm.engine.index(texts). (Said once per process.)",
-        stacklevel=2,
-    )
+    if state is not None:
+        state.clear()
+        state.update(stats)
