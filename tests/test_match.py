@@ -288,6 +288,14 @@ def test_a_pasted_context_is_learned_and_reused_by_the_next_prompt(make_engine):
     assert P1 in engine.passages and P2 in engine.passages and "Who built" not in str(list(engine.passages._seen))
 
 
+def test_the_paragraphs_of_a_known_passage_are_not_learned_apart(make_engine):
+    engine = make_engine()
+    engine.learn([f"{P1}\n\n{P2}"])
+    engine.generate_text(chatml(f"Context:\n\n{P3} and the rest of it.\n\n{P1}\n\n{P2}\n\nWho built it, and when?"),
+                         max_new_tokens=1)
+    assert len(engine.passages) == 2 and P1 not in engine.passages and P2 not in engine.passages
+
+
 def test_full_mode_and_a_spent_budget_learn_nothing(make_engine):
     engine = make_engine(learn_prompts=1)
     text = chatml(f"Context:\n\n{P1}\n\n{P2}\n\nWho built the lighthouse in 1873?")

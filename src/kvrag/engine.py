@@ -453,7 +453,10 @@ class KVEngine:
         if self._learn_left <= 0:
             return
         found = unmarked_passages(text, self.tokenizer.all_special_tokens, self.passages.min_chars)
-        found = [t for t in found if t not in self.passages][: self._learn_left]
+        found = [t for t in found if t not in self.passages]
+        if found:  # not the paragraphs of a passage known whole
+            known = [text[a:b] for a, b in self.passages.find(text)]
+            found = [t for t in found if not any(t in passage for passage in known)][: self._learn_left]
         if not found:
             return
         self._learn_left -= len(found)
