@@ -47,12 +47,13 @@ FILES["d.md"] += "\n\n" + FACTS[0]  # one paragraph in two files: a passage to e
 INDEXER = """
 import os, sys, time
 from pathlib import Path
-from kvrag import KVEngine, remote
+from kvrag import KVEngine, engine, remote
 from kvrag.app.cli import main
 from kvrag.assemble import Blocks
 
 log, gate, workers, die = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 remote.CLAIM_SECONDS = 2.0
+engine.PACK_TOKENS_CPU = int(os.environ.get("PACK_TOKENS", engine.PACK_TOKENS_CPU))
 
 def meet(name):
     (gate / f"{name}-{os.getpid()}").touch()
@@ -164,7 +165,10 @@ def test_indexers_on_two_machines_share_the_work_through_redis_and_one_killed_lo
         def indexer(name, workers, die, order):
             home, gate = tmp_path / name, tmp_path / f"gate-{workers}"
             gate.mkdir(exist_ok=True)
-            env = {**_env(home), "KVRAG_REMOTE": redis.url, "KVRAG_SECRET": "the indexers' shared secret"}
+            # one passage per forward: a worker packing the whole corpus into one group would leave the other
+            # nothing to die on (packed claims are tested on one machine above)
+            env = {**_env(home), "KVRAG_REMOTE": redis.url, "KVRAG_SECRET": "the indexers' shared secret",
+                   "PACK_TOKENS": "0"}
             argv = [*model, "--home", str(home), "index", *map(str, order)]
             return subprocess.Popen([sys.executable, "-c", INDEXER, str(tmp_path / f"{name}.log"), str(gate),
                                      str(workers), str(die), *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
