@@ -40,7 +40,7 @@ FACTS = [
 FILES = {f"{name}.md": "\n\n".join(FACTS[4 * i : 4 * i + 4]) for i, name in enumerate("abcd")}
 FILES["d.md"] += "\n\n" + FACTS[0]  # one paragraph in two files: a passage to encode once all the same
 
-# An indexer as a user runs it (the CLI's own main), with every Blocks.encode call written to a log,
+# An indexer as a user runs it (the CLI's own main), with every block Blocks.encode_many encodes written to a log,
 # started together and reaching `KVEngine.index` together, so that a process that did not share the work
 # would encode what the others are encoding. An encoding takes a moment, as a real model's does. With
 # `die` N > 0 the process dies in its N-th encoding, its claims held (a shared tier's expire in 2 s).
@@ -99,7 +99,8 @@ def _expected(model_dir: Path, files: list[Path]) -> tuple[list[str], PromptLayo
 
 def _env(home: Path) -> dict:
     return {**os.environ, "KVRAG_HOME": str(home), "OMP_NUM_THREADS": "1", "KVRAG_CHROMA": "",
-            "KVRAG_REMOTE": "", "TOKENIZERS_PARALLELISM": "false"}
+            "KVRAG_REMOTE": "", "TOKENIZERS_PARALLELISM": "false",
+            "PACK_TOKENS": "64"}  # the indexer's groups: two or three of these passages, not the whole corpus
 
 
 def _kvrag(model_dir: Path, home: Path, *argv) -> subprocess.CompletedProcess:
