@@ -119,6 +119,7 @@ class KVEngine:
         self.blend = self._check_blend(blend or BlendConfig())
         self._known: dict[str, list[int]] = {}  # block key -> token ids, for ids handed out by index()
         self.learn_prompts = self._learn_left = learn_prompts
+        self._special_tokens = tuple(tokenizer.all_special_tokens)  # where a chat template's parts begin and end
         self._said: set[str] = set()  # the warnings said once
 
     @classmethod
@@ -452,7 +453,7 @@ class KVEngine:
     def _learn_from(self, text: str) -> None:
         if self._learn_left <= 0:
             return
-        found = unmarked_passages(text, self.tokenizer.all_special_tokens, self.passages.min_chars)
+        found = unmarked_passages(text, self._special_tokens, self.passages.min_chars)
         found = [t for t in found if t not in self.passages]
         if found:  # not the paragraphs of a passage known whole
             known = [text[a:b] for a, b in self.passages.find(text)]
