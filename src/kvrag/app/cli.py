@@ -1,4 +1,4 @@
-"""Command line: kvrag index | ask | serve | demo | finetune | bench ttft | bench load | bench accuracy |
+"""Command line: kvrag index | ask | serve | export | demo | finetune | bench ttft | bench load | bench accuracy |
 bench serve | kernels build | kernels status.
 
 The research harness (kvrag.eval, kvrag.train) and matplotlib are imported inside the commands that
@@ -237,6 +237,22 @@ def cmd_serve(args):
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     finally:
         client.withdraw(advertised)
+
+
+def cmd_export(args):
+    """The weights this engine answers with, as a model directory another server loads (vLLM: docs/vllm.md)."""
+    from kvrag import loading
+
+    out = Path(args.out)
+    if out.exists() and any(out.iterdir()):
+        raise KVRagError(f"{out} is not empty: export writes a new model directory")
+    engine = _engine(args, warm_up=False)
+    with loading.quietly():
+        engine.model.save_pretrained(out)
+        engine.tokenizer.save_pretrained(out)
+    print(f"kvrag: wrote {out} ({'with' if args.adapter != 'none' else 'without'} the adapter, "
+          f"{str(engine.model.dtype).removeprefix('torch.')}, fingerprint {loading.weights_digest(engine.model)[:12]})",
+          file=sys.stderr)
 
 
 def cmd_demo(args):
@@ -747,6 +763,10 @@ def build_parser(finetune_config: dict | None = None) -> argparse.ArgumentParser
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
                    help="uvicorn's log level")
     p.set_defaults(func=cmd_serve)
+
+    p = _command(sub, "export", "write the weights kvrag answers with (adapter merged) as a model directory")
+    p.add_argument("out", help="new directory for config, safetensors and tokenizer, e.g. for `vllm serve`")
+    p.set_defaults(func=cmd_export)
 
     p = _command(sub, "demo", "index the bundled sample corpus and compare full vs block mode")
     p.add_argument("--top-k", type=int, default=3, help="passages retrieved per question")

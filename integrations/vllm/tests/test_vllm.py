@@ -1,0 +1,170 @@
+"""kvrag's connector in a real vLLM server: passages indexed through it are reused in any order, as exactly as
+block attention defines it, never leak into vLLM's prefix cache, and bad or missing KV costs a prefill, never
+a request."""
+
+import glob
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvrag.attention import mask
+from kvrag_vllm import index, plan
+from kvrag_vllm.client import SEPARATORS, Server
+
+pytestmark = pytest.mark.e2e  # the default model, served by vLLM
+
+WORLD = [
+    "The Zorvani river flows north from the Kelt mountains and reaches the sea at Port Amsel after 420 kilometres.",
+    "Mira Tolvanen founded the glassworks of Hessby in 1871; it closed in 1952 after a fire destroyed the kilns.",
+    "The national bird of Ostrava Minor is the grey heron, chosen by a public vote held in 1988.",
+    "Port Amsel has two harbours: the old fishing harbour and a container terminal opened in 2004.",
+    "The Kelt mountains rise to 3120 metres at Mount Varn, whose glacier feeds the Zorvani river.",
+    "Hessby glass was exported to Denmark and Prussia, most of it as green bottles for mineral water.",
+]
+
+
+def _prompt(reference, passages, question, system="Answer from the context, in one sentence."):
+    _, tokenizer = reference
+    context = "\n\n".join(passages)
+    messages = [{"role": "system", "content": system},
+                {"role": "user", "content": f"Context:\n{context}\n\nQuestion: {question}"}]
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+
+
+def _complete(vllm, ids, kvrag=None, max_tokens=1):
+    body = {"model": vllm.model, "prompt": ids, "max_tokens": max_tokens, "temperature": 0, "logprobs": 5,
+            "return_tokens_as_token_ids": True}
+    if kvrag:
+        body["kv_transfer_params"] = {"kvrag": kvrag}
+    reply = vllm.call("/v1/completions", body)
+    choice = reply["choices"][0]
+    top = {int(k.removeprefix("token_id:")): v for k, v in choice["logprobs"]["top_logprobs"][0].items()}
+    return top, reply["usage"]["prompt_tokens_details"]["cached_tokens"], choice["text"]
+
+
+def _reference_logprobs(reference, ids, pieces):
+    """Log-probabilities of the next token with block attention over `pieces` (each attending to itself
+    alone, the header causally) and the rest of the prompt attending to everything: kvrag's definition."""
+    model, _ = reference
+    blocks = torch.full((len(ids),), len(pieces), dtype=torch.long)
+    for number, piece in enumerate(pieces):
+        blocks[piece.start : piece.stop] = number
+    positions = torch.arange(len(ids))
+    with torch.no_grad():
+        logits = model(torch.tensor([ids]), attention_mask=mask(positions, len(ids), torch.float32, blocks),
+                       position_ids=positions[None]).logits[0, -1]
+    return torch.log_softmax(logits.double(), -1)
+
+
+@pytest.fixture(scope="module")
+def indexed(vllm):
+    assert index(vllm.url, WORLD, model=vllm.model) == len(WORLD)
+    return vllm
+
+
+def _pieces(vllm, ids):
+    server = Server(vllm.url, vllm.model)
+    found = plan.Passages()
+    for text in WORLD:
+        found.add(server.tokens(text))
+    glue = {tuple(server.glue(s)) for s in SEPARATORS}
+    return plan.leading_run(ids, found.find(ids), lambda run: len(run) >= plan.MIN_PASSAGE_TOKENS or run in glue)
+
+
+def test_saved_kv_is_the_models_own(indexed, reference):
+    model, _ = reference
+    files = glob.glob(str(indexed.home / "vllm" / "*" / "kv" / "*" / "*"))
+    from safetensors.torch import load
+
+    passages = [t for t in (load(Path(f).read_bytes()) for f in files) if len(t["token_ids"]) >= plan.MIN_PASSAGE_TOKENS]
+    assert len(passages) == len(WORLD)
+    for stored in passages:
+        with torch.no_grad():
+            cache = model(stored["token_ids"].long()[None], use_cache=True).past_key_values
+        for layer in (0, 11, len(cache.layers) - 1):
+            torch.testing.assert_close(stored["keys"][layer], cache.layers[layer].keys[0], rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(stored["values"][layer], cache.layers[layer].values[0], rtol=1e-4, atol=1e-4)
+
+
+def test_passages_are_reused_in_any_order_exactly_as_block_attention(indexed, reference):
+    question = "Where does the Zorvani river reach the sea?"
+    first = _prompt(reference, [WORLD[i] for i in (2, 0, 3)], question)
+    _, cached, _ = _complete(indexed, first)  # a new header: prefilled, and its KV kept for the next
+    assert cached == 0
+    for order in ((0, 3, 2), (3, 2, 0, 4), (4, 1, 5, 0)):
+        ids = _prompt(reference, [WORLD[i] for i in order], question)
+        pieces = _pieces(indexed, ids)
+        assert [p.kind for p in pieces].count("passage") == len(order)
+        top, cached, _ = _complete(indexed, ids)
+        assert cached == pieces[-1].stop  # header and every passage, not one token of the question
+        _, alone_cached, _ = _complete(indexed, ids, kvrag="off")  # vLLM alone: a new order, nothing to reuse
+        assert alone_cached < pieces[1].start  # at most whole 128-token blocks of a header seen before
+        expected = _reference_logprobs(reference, ids, pieces)
+        for token, logprob in top.items():
+            assert math.isclose(logprob, expected[token].item(), abs_tol=2e-3), (order, token)
+        assert max(top, key=top.get) == expected.argmax().item()
+
+
+def test_a_plain_request_after_a_kvrag_one_gets_full_prefills_output(indexed, reference):
+    model, _ = reference
+    question = "Who founded the glassworks of Hessby?"
+    ids = _prompt(reference, [WORLD[i] for i in (1, 5, 4, 0, 3, 2)], question)
+    assert len(ids) > 128  # two paged blocks, both holding block-attention KV after the header
+    _complete(indexed, _prompt(reference, [WORLD[i] for i in (5, 1)], question))  # the header kept
+    _, cached, _ = _complete(indexed, ids)
+    assert cached > 128
+    top, cached, _ = _complete(indexed, ids, kvrag="off")
+    assert cached <= 128  # never the blocks the connector filled: only a causal header block, if any
+    with torch.no_grad():
+        expected = torch.log_softmax(model(torch.tensor([ids])).logits[0, -1].double(), -1)
+    for token, logprob in top.items():
+        assert math.isclose(logprob, expected[token].item(), abs_tol=2e-3)
+
+
+def _stored_file(vllm, text):
+    server = Server(vllm.url, vllm.model)
+    ids = server.tokens(text)
+    from safetensors import safe_open
+
+    for f in glob.glob(str(vllm.home / "vllm" / "*" / "kv" / "*" / "*")):
+        with safe_open(f, "pt") as stored:
+            if stored.get_tensor("token_ids").tolist() == ids:
+                return Path(f)
+    raise AssertionError(f"no stored block for {text[:40]!r}")
+
+
+def test_after_a_restart_kv_is_read_back_and_damaged_or_foreign_kv_dropped(indexed, reference, weights):
+    question = "What is the national bird of Ostrava Minor?"
+    _complete(indexed, _prompt(reference, [WORLD[i] for i in (2, 3)], question))  # its header kept
+    damaged, foreign = _stored_file(indexed, WORLD[2]), _stored_file(indexed, WORLD[3])
+    data = bytearray(damaged.read_bytes())
+    data[-64:] = bytes(64)  # the last values zeroed: the checksum no longer holds
+    damaged.write_bytes(bytes(data))
+    foreign.write_bytes(_stored_file(indexed, WORLD[4]).read_bytes())  # another passage's KV under this key
+    from kvrag.eval.vllm import vllm_server
+
+    # a second server on the same home: its scheduler reads the passages indexed through the first, its
+    # worker every block from disk (the first one's memory holds the good copies)
+    with vllm_server(weights, indexed.home, home=indexed.home) as restarted:
+        healthy = _prompt(reference, [WORLD[i] for i in (4, 0)], question)
+        _, cached, _ = _complete(restarted, healthy)
+        assert cached == _pieces(restarted, healthy)[-1].stop
+        ids = _prompt(reference, [WORLD[i] for i in (3, 2)], question)
+        _, _, plain = _complete(restarted, ids, kvrag="off", max_tokens=16)
+        _, cached, answer = _complete(restarted, ids, max_tokens=16)
+        assert answer == plain  # recomputed by vLLM: the answer of a full prefill
+        assert not damaged.exists() and not foreign.exists()  # dropped, never served
+        assert restarted.log_text().count("kvrag: dropping unusable KV") == 2  # one line each, in vLLM's log
+
+
+def test_missing_kv_means_a_plain_prefill(indexed, reference):
+    question = "When was the container terminal of Port Amsel opened?"
+    _complete(indexed, _prompt(reference, [WORLD[i] for i in (5, 1)], question))
+    _stored_file(indexed, WORLD[5]).unlink()
+    ids = _prompt(reference, [WORLD[i] for i in (5, 1, 0)], question)
+    _, cached, answer = _complete(indexed, ids, max_tokens=16)
+    assert cached == 0  # its first passage is gone: nothing to supply before it
+    _, _, plain = _complete(indexed, ids, kvrag="off", max_tokens=16)
+    assert answer == plain
