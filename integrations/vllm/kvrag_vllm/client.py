@@ -64,7 +64,8 @@ class Server:
 def index(url: str, texts: Iterable[str], *, model: str | None = None, api_key: str | None = None,
           separators: Iterable[str] = SEPARATORS) -> int:
     """Index `texts` (and the `separators` between passages) through the vLLM server at `url`; returns how
-    many passages were sent."""
+    many passages were sent. A passage is found in a prompt by its tokens, so it is indexed as apps paste it:
+    its text as is, less leading and trailing whitespace."""
     server = Server(url, model, api_key)
     for separator in separators:
         glue = server.glue(separator)
@@ -72,7 +73,7 @@ def index(url: str, texts: Iterable[str], *, model: str | None = None, api_key: 
             server.keep(glue)
     count = 0
     for text in texts:
-        if text.strip():
-            server.keep(server.tokens(text))
+        if text.strip():  # without the whitespace around it, which a prompt's separator takes into its own tokens
+            server.keep(server.tokens(text.strip()))
             count += 1
     return count

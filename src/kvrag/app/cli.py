@@ -391,6 +391,25 @@ def cmd_bench_remote(args):
     benchmark(load, [int(x) for x in args.lengths.split(",")], args.runs, args.requests)
 
 
+def cmd_bench_vllm(args):
+    import json as json_module
+
+    from kvrag.eval import vllm
+
+    if args.plot:
+        _check_plotting(args)
+    if args.model is not None or args.adapter != "auto" or args.adapter_scope != "all":
+        raise KVRagError("bench vllm runs the default model with its adapter in both engines (kvrag export's weights)")
+    lengths = [int(x) for x in args.lengths.split(",")]
+    print(f"vLLM {args.runs} runs per length, alternating: vLLM alone (prefix cache on), vLLM with kvrag's connector, "
+          f"kvrag's engine in block mode; same weights (default model and adapter, float32), same passages")
+    result = vllm.benchmark(lengths, args.runs, args.clients, args.per_client, args.concurrent_length, seed=args.seed)
+    if args.json:
+        Path(args.json).write_text(json_module.dumps(result, indent=1))
+    if args.plot:
+        print(f"plot: {vllm.plot(result, args.plot)}")
+
+
 def cmd_bench_serve(args):
     from kvrag.eval.serving import benchmark
 
@@ -918,6 +937,18 @@ def build_parser(finetune_config: dict | None = None) -> argparse.ArgumentParser
     b.add_argument("--max-batch", type=int, default=16, help="the batched server's --max-batch")
     b.add_argument("--soak", type=int, default=0, help="then this many requests from 16 clients, counting errors")
     b.set_defaults(func=cmd_bench_serve)
+
+    b = _command(bench, "vllm", "vLLM alone vs vLLM with kvrag's connector vs kvrag's engine: TTFT with passages "
+                                "reordered, and many clients")
+    b.add_argument("--lengths", default="1024,4096,8000", help="prompt tokens (passages and question)")
+    b.add_argument("--runs", type=int, default=3, help="requests per system and length (the median is shown)")
+    b.add_argument("--clients", type=int, default=16, help="concurrent clients")
+    b.add_argument("--per-client", type=int, default=4, help="requests each client sends, one after another")
+    b.add_argument("--concurrent-length", type=int, default=1024, help="prompt tokens of the concurrent requests")
+    b.add_argument("--seed", type=int, default=0, help="which passages each request draws, and their order")
+    b.add_argument("--json", metavar="FILE", help="write the rows here")
+    b.add_argument("--plot", metavar="PNG", help="TTFT against prompt length, the three systems")
+    b.set_defaults(func=cmd_bench_vllm)
 
     p = _command(sub, "kernels", "the optional C attention kernels", model=False)
     kernels = p.add_subparsers(dest="kernels", required=True, metavar="ACTION")

@@ -8,7 +8,9 @@ with one model.
 import json
 import os
 import socket
+import statistics
 import subprocess
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -105,3 +107,193 @@ def vllm_server(model: Path, log_dir: Path, *, connector: bool = True, home: Pat
         yield Server(url, log, Path(home) if home else None, process)
     finally:
         stop_process(process, timeout=30)
+
+
+# ---- kvrag bench vllm ------------------------------------------------------------------------------------
+
+SYSTEM = "Answer the question from the context, in one sentence."
+SYSTEMS = ("vllm", "vllm+kvrag", "kvrag")
+"""vLLM alone (its prefix cache on), vLLM with kvrag's connector, kvrag's own engine in block mode."""
+
+
+def messages(passages: list[str], question: str) -> list[dict]:
+    """A RAG app's chat request: passages joined by blank lines, as LangChain's and LlamaIndex's prompts join them."""
+    context = "\n\n".join(passages)
+    return [{"role": "system", "content": SYSTEM},
+            {"role": "user", "content": f"Context:\n{context}\n\nQuestion: {question}"}]
+
+
+def draw(passages: list[str], counts: list[int], tokens: int, rng) -> list[str]:
+    """Passages adding up to about `tokens` tokens, drawn at random and in a random order: a new retrieval, so
+    that no earlier request shares a prefix beyond the system prompt."""
+    order = rng.sample(range(len(passages)), len(passages))
+    chosen, total = [], 0
+    for i in order:
+        if total + counts[i] > tokens:
+            continue
+        chosen.append(passages[i])
+        total += counts[i]
+    return chosen
+
+
+def _vllm_ttft(server: Server, chat: list[dict], connector: bool) -> tuple[float, int]:
+    """Seconds to the first token (a one-token answer) and the prompt tokens vLLM did not compute."""
+    body = {"model": server.model, "messages": chat, "max_tokens": 1, "temperature": 0}
+    if not connector:
+        body["kv_transfer_params"] = {"kvrag": "off"}
+    start = time.perf_counter()
+    reply = server.call("/v1/chat/completions", body)
+    return time.perf_counter() - start, reply["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def _kvrag_ttft(engine, chat: list[dict]) -> tuple[float, int]:
+    text = engine.tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    start = time.perf_counter()
+    result = engine.generate_text(text, mode="block", max_new_tokens=1)
+    return time.perf_counter() - start, result.prompt_tokens - result.prefilled_tokens
+
+
+def ttft_rows(server: Server, engine, passages, counts, lengths, runs: int, question: str, rng, progress=print):
+    """Median TTFT per system and prompt length; the three systems take turns within each run."""
+    rows = []
+    for length in lengths:
+        times = {s: [] for s in SYSTEMS}
+        reused = {s: [] for s in SYSTEMS}
+        for run in range(runs):
+            for system in (SYSTEMS if run % 2 == 0 else SYSTEMS[::-1]):
+                chat = messages(draw(passages, counts, length, rng), question)
+                seconds, cached = (_kvrag_ttft(engine, chat) if system == "kvrag"
+                                   else _vllm_ttft(server, chat, connector=system == "vllm+kvrag"))
+                times[system].append(seconds)
+                reused[system].append(cached)
+        prompt = len(engine.tokenizer.apply_chat_template(chat, tokenize=True, add_generation_prompt=True,
+                                                          return_dict=False))
+        row = {"length": length, "prompt_tokens": prompt,
+               **{s: statistics.median(t) for s, t in times.items()},
+               **{f"{s}_reused": statistics.median(r) for s, r in reused.items()}}
+        rows.append(row)
+        progress(format_ttft(row))
+    return rows
+
+
+TTFT_HEADER = (f"{'prompt':>7} {'vLLM ms':>9} {'(reused)':>9} {'+kvrag ms':>10} {'(reused)':>9} {'kvrag ms':>9} "
+               f"{'vLLM/+kvrag':>12} {'+kvrag/kvrag':>13}")
+
+
+def format_ttft(row) -> str:
+    return (f"{row['prompt_tokens']:>7} {row['vllm'] * 1e3:>9.0f} {row['vllm_reused']:>9.0f} "
+            f"{row['vllm+kvrag'] * 1e3:>10.0f} {row['vllm+kvrag_reused']:>9.0f} {row['kvrag'] * 1e3:>9.0f} "
+            f"{row['vllm'] / row['vllm+kvrag']:>11.1f}x {row['vllm+kvrag'] / row['kvrag']:>12.2f}x")
+
+
+def concurrent(server: Server, passages, counts, clients: int, per_client: int, length: int, question: str,
+               connector: bool, rng, max_tokens: int = 16) -> dict:
+    """`clients` threads each sending `per_client` streamed chat requests (new passage orders) one after another:
+    requests a second, TTFT percentiles and errors."""
+    import httpx
+
+    work = [[messages(draw(passages, counts, length, rng), question) for _ in range(per_client)] for _ in range(clients)]
+    ttfts, errors, lock = [], [], threading.Lock()
+
+    def client(chats):
+        with httpx.Client(timeout=600) as http:
+            for chat in chats:
+                body = {"model": server.model, "messages": chat, "max_tokens": max_tokens, "temperature": 0,
+                        "stream": True}
+                if not connector:
+                    body["kv_transfer_params"] = {"kvrag": "off"}
+                start, first = time.perf_counter(), None
+                try:
+                    with http.stream("POST", server.url + "/v1/chat/completions", json=body) as response:
+                        response.raise_for_status()
+                        for line in response.iter_lines():
+                            if first is None and line.startswith("data: {") and '"content":"' in line \
+                                    and '"content":""' not in line:
+                                first = time.perf_counter() - start
+                    with lock:
+                        ttfts.append(first if first is not None else time.perf_counter() - start)
+                except Exception as exc:  # noqa: BLE001 - counted, and the bench goes on
+                    with lock:
+                        errors.append(f"{type(exc).__name__}: {exc}")
+
+    threads = [threading.Thread(target=client, args=(chats,)) for chats in work]
+    start = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - start
+    from kvrag.eval.serving import percentile
+
+    done = len(ttfts)
+    return {"system": "vllm+kvrag" if connector else "vllm", "clients": clients, "requests": done + len(errors),
+            "errors": len(errors), "per_second": done / wall, "p50": percentile(ttfts, 50) if ttfts else float("nan"),
+            "p99": percentile(ttfts, 99) if ttfts else float("nan"), "error_examples": errors[:3]}
+
+
+def benchmark(lengths=(1024, 4096, 8000), runs: int = 3, clients: int = 16, per_client: int = 2,
+              concurrent_length: int = 1024, seed: int = 0, directory: Path | None = None, progress=print) -> dict:
+    """`kvrag bench vllm`: one vLLM server (its KV cache 2 GiB, both cores, eager) and kvrag's engine in this
+    process, on the same weights and passages."""
+    import random
+    import tempfile
+
+    from kvrag import KVEngine
+    from kvrag.eval.ttft import QUESTION, make_passages
+    from kvrag_vllm import index
+
+    engine = KVEngine.shared()
+    rng = random.Random(seed)
+    passages = [p.strip() for p in make_passages(engine, 2 * max(lengths), block_tokens=200, tag="v")]
+    counts = [len(engine.layout.passage_ids(p)) + 2 for p in passages]  # and the blank line after it
+    with tempfile.TemporaryDirectory(prefix="kvrag-bench-vllm-", dir=directory) as tmp:
+        tmp = Path(tmp)
+        weights = export(tmp / "weights")
+        cores = os.cpu_count() or 1
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{cores - 1}")  # every core, as kvrag's engine has
+        os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+        with vllm_server(weights, tmp, home=tmp / "home", max_model_len=8192, kv_cache_gib=2) as server:
+            started = time.perf_counter()
+            index(server.url, passages, model=server.model)
+            vllm_index = time.perf_counter() - started
+            started = time.perf_counter()
+            engine.index(passages, progress=False)
+            kvrag_index = time.perf_counter() - started
+            progress(f"{len(passages)} passages ({sum(counts)} tokens) indexed: through vLLM in {vllm_index:.1f} s, "
+                     f"by kvrag's engine in {kvrag_index:.1f} s")
+            warm = messages(draw(passages, counts, 512, rng), QUESTION)  # the system turn's KV, kept by each
+            _vllm_ttft(server, warm, connector=True)
+            _kvrag_ttft(engine, warm)
+            progress(TTFT_HEADER)
+            rows = ttft_rows(server, engine, passages, counts, lengths, runs, QUESTION, rng, progress)
+            progress(f"{clients} clients, {per_client} requests each, ~{concurrent_length}-token prompts, 16-token "
+                     f"answers, streamed")
+            load = []
+            for connector in (False, True, False, True):
+                cell = concurrent(server, passages, counts, clients, per_client, concurrent_length, QUESTION,
+                                  connector, rng)
+                load.append(cell)
+                progress(f"  {cell['system']:<11} {cell['per_second']:6.2f} requests/s, TTFT p50 "
+                         f"{cell['p50'] * 1e3:7.0f} ms, p99 {cell['p99'] * 1e3:7.0f} ms, {cell['errors']} errors")
+    return {"ttft": rows, "concurrent": load, "passages": len(passages), "index_seconds": {"vllm": vllm_index,
+                                                                                           "kvrag": kvrag_index}}
+
+
+def plot(result: dict, path: Path) -> Path:
+    from kvrag.eval.accuracy import _pyplot
+
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    labels = {"vllm": "vLLM alone (prefix cache on)", "vllm+kvrag": "vLLM + kvrag connector",
+              "kvrag": "kvrag engine, block mode"}
+    x = [row["prompt_tokens"] for row in result["ttft"]]
+    for system, label in labels.items():
+        ax.plot(x, [row[system] * 1e3 for row in result["ttft"]], marker="o", label=label)
+    ax.set_yscale("log")
+    ax.set_xlabel("prompt tokens (passages in a new order each request)")
+    ax.set_ylabel("time to first token, ms (median)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return Path(path)
