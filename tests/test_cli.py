@@ -350,3 +350,27 @@ def test_a_chroma_server_that_does_not_answer_stops_the_cli_before_the_model_loa
         assert f"kvrag: error: no Chroma server at {url} (" in err and "chroma run --path DIR --port" in err
     assert main(["--chroma", "localhost:8000", "ask", "Who built the lighthouse?"]) == 2
     assert "http://HOST[:PORT]" in capsys.readouterr().err
+
+
+def test_export_writes_the_weights_the_engine_answers_with(saved_model_and_adapter, tmp_path, capsys):
+    """`kvrag export`: the model with its adapter merged, loadable by transformers alone (as vLLM loads it),
+    giving the engine's own logits; an existing directory is refused."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from kvrag import KVEngine
+
+    model_dir, adapter_dir = saved_model_and_adapter
+    options = ["--model", str(model_dir), "--adapter", str(adapter_dir), "--device", "cpu", "--home", str(tmp_path / "home")]
+    out = tmp_path / "exported"
+    assert main([*options, "export", str(out)]) == 0
+    exported = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    engine = KVEngine.from_pretrained(str(model_dir), adapter=adapter_dir, device="cpu", home=tmp_path / "home",
+                                      warm_up=False)
+    ids = torch.tensor([[5, 9, 13, 2, 7]])
+    with torch.no_grad():
+        torch.testing.assert_close(exported(ids).logits, engine.model(ids).logits)
+        assert not torch.allclose(exported(ids).logits, AutoModelForCausalLM.from_pretrained(model_dir)(ids).logits)
+    capsys.readouterr()
+    assert main([*options, "export", str(out)]) == 2
+    assert capsys.readouterr().err == f"kvrag: error: {out} exists: export writes a new model directory\n"

@@ -467,6 +467,16 @@ def merge_adapter(model, adapter: str | os.PathLike, *, keep_base: bool = False)
     return merged
 
 
+def export(model, tokenizer, directory: str | os.PathLike) -> Path:
+    """`model` (its adapter merged, as an engine answers with it) and `tokenizer` as a model directory that
+    other servers load: vLLM, transformers (`kvrag export`, docs/vllm.md)."""
+    directory = Path(directory)
+    with quietly():
+        model.save_pretrained(directory)
+        tokenizer.save_pretrained(directory)
+    return directory
+
+
 def weights_digest(model) -> str:
     h = hashlib.sha256()
     for name, tensor in model.state_dict().items():

@@ -16,7 +16,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from kvrag import KVEngine
+from kvrag import KVEngine, vllm_client
 from kvrag.retrieval import chroma_client, chroma_collection, chroma_path, parse_chroma_url
 from langchain_chroma import Chroma
 from langchain_core.documents import Document
@@ -139,6 +139,9 @@ class KVRagVectorStore(VectorStore):
         engine: The `kvrag.KVEngine` whose KV store is filled; it must be the engine that
             answers the questions. Default: `KVEngine.shared()` (the default model, loaded
             once per process on the first add, not when the store is built).
+        vllm_url: A vLLM server running kvrag's connector (`http://HOST:PORT`, docs/vllm.md)
+            that answers the questions instead (`ChatOpenAI(base_url=URL + "/v1")`): passages
+            are indexed through it and no model is loaded here. Not with `engine`.
         embedding: Embeddings for the default Chroma. Default: `KVRagEmbeddings`.
         collection_name: Collection of the default Chroma. Default: "kvrag-langchain".
         persist_directory: Directory of the default Chroma. Default: `$KVRAG_HOME/chroma`.
@@ -159,6 +162,7 @@ class KVRagVectorStore(VectorStore):
         persist_directory: str | Path | None = None,
         chroma_url: str | None = None,
         show_progress: bool = False,
+        vllm_url: str | None = None,
     ) -> None:
         default_options = (embedding, collection_name, persist_directory, chroma_url)
         if vectorstore is not None and any(option is not None for option in default_options):
@@ -168,9 +172,12 @@ class KVRagVectorStore(VectorStore):
             )
         if vectorstore is None:
             vectorstore = default_chroma(embedding, collection_name, persist_directory, chroma_url)
+        if engine is not None and vllm_url is not None:
+            raise ValueError("engine and vllm_url both name who answers the questions: pass one")
         self.vectorstore = vectorstore
         self._engine = engine
         self.show_progress = show_progress
+        self.vllm_url = vllm_url
 
     @property
     def engine(self) -> KVEngine:
@@ -186,7 +193,10 @@ class KVRagVectorStore(VectorStore):
     # ---- adding: index first, then store ----------------------------------------------------------
 
     def _index(self, texts: list[str]) -> None:
-        self.engine.index(texts, progress=self.show_progress)
+        if self.vllm_url is not None:
+            vllm_client.index(self.vllm_url, texts)
+        else:
+            self.engine.index(texts, progress=self.show_progress)
 
     def add_texts(
         self,

@@ -15,7 +15,7 @@ Load it with
   headers) computed.
 
 A request sent with `kv_transfer_params={"kvrag": "index"}` is a passage to index: vLLM prefills it alone
-and the connector keeps its KV (`kvrag_vllm.client.index`). `{"kvrag": "off"}` turns the connector off for
+and the connector keeps its KV (`kvrag.vllm_client.index`). `{"kvrag": "off"}` turns the connector off for
 one request. KV lives in kvrag's store (memory ▸ disk under KVRAG_HOME/vllm), validated on every read: a
 damaged or foreign block is dropped, and the blocks it was to fill are recomputed by vLLM.
 """

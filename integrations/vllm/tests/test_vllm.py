@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from kvrag.attention import mask
-from kvrag_vllm import index, plan
-from kvrag_vllm.client import SEPARATORS, Server
+from kvrag_vllm import plan
+from kvrag.vllm_client import index
+from kvrag.vllm_client import SEPARATORS, Server
 
 pytestmark = pytest.mark.e2e  # the default model, served by vLLM
 
@@ -73,14 +74,24 @@ def _pieces(vllm, ids):
     return plan.leading_run(ids, found.find(ids), lambda run: len(run) >= plan.MIN_PASSAGE_TOKENS or run in glue)
 
 
+def _stored_file(vllm, text):
+    server = Server(vllm.url, vllm.model)
+    ids = server.tokens(text)
+    from safetensors import safe_open
+
+    for f in glob.glob(str(vllm.home / "vllm" / "*" / "kv" / "*" / "*")):
+        with safe_open(f, "pt") as stored:
+            if stored.get_tensor("token_ids").tolist() == ids:
+                return Path(f)
+    raise AssertionError(f"no stored block for {text[:40]!r}")
+
+
 def test_saved_kv_is_the_models_own(indexed, reference):
     model, _ = reference
-    files = glob.glob(str(indexed.home / "vllm" / "*" / "kv" / "*" / "*"))
     from safetensors.torch import load
 
-    passages = [t for t in (load(Path(f).read_bytes()) for f in files) if len(t["token_ids"]) >= plan.MIN_PASSAGE_TOKENS]
-    assert len(passages) == len(WORLD)
-    for stored in passages:
+    for text in WORLD:
+        stored = load(_stored_file(indexed, text).read_bytes())
         with torch.no_grad():
             cache = model(stored["token_ids"].long()[None], use_cache=True).past_key_values
         for layer in (0, 11, len(cache.layers) - 1):
@@ -121,18 +132,6 @@ def test_a_plain_request_after_a_kvrag_one_gets_full_prefills_output(indexed, re
         expected = torch.log_softmax(model(torch.tensor([ids])).logits[0, -1].double(), -1)
     for token, logprob in top.items():
         assert math.isclose(logprob, expected[token].item(), abs_tol=2e-3)
-
-
-def _stored_file(vllm, text):
-    server = Server(vllm.url, vllm.model)
-    ids = server.tokens(text)
-    from safetensors import safe_open
-
-    for f in glob.glob(str(vllm.home / "vllm" / "*" / "kv" / "*" / "*")):
-        with safe_open(f, "pt") as stored:
-            if stored.get_tensor("token_ids").tolist() == ids:
-                return Path(f)
-    raise AssertionError(f"no stored block for {text[:40]!r}")
 
 
 def test_after_a_restart_kv_is_read_back_and_damaged_or_foreign_kv_dropped(indexed, reference, weights):

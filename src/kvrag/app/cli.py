@@ -1,5 +1,5 @@
 """Command line: kvrag index | ask | serve | export | demo | finetune | bench ttft | bench load | bench accuracy |
-bench serve | kernels build | kernels status.
+bench serve | bench vllm | kernels build | kernels status.
 
 The research harness (kvrag.eval, kvrag.train) and matplotlib are imported inside the commands that
 use them, so `kvrag --help` and `kvrag ask` never load them. The defaults shown for the harness's
@@ -244,15 +244,12 @@ def cmd_export(args):
     from kvrag import loading
 
     out = Path(args.out)
-    if out.exists() and any(out.iterdir()):
-        raise KVRagError(f"{out} is not empty: export writes a new model directory")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise KVRagError(f"{out} exists: export writes a new model directory")
     engine = _engine(args, warm_up=False)
-    with loading.quietly():
-        engine.model.save_pretrained(out)
-        engine.tokenizer.save_pretrained(out)
-    print(f"kvrag: wrote {out} ({'with' if args.adapter != 'none' else 'without'} the adapter, "
-          f"{str(engine.model.dtype).removeprefix('torch.')}, fingerprint {loading.weights_digest(engine.model)[:12]})",
-          file=sys.stderr)
+    loading.export(engine.model, engine.tokenizer, out)
+    print(f"kvrag: wrote {out} ({str(engine.model.dtype).removeprefix('torch.')}, weights "
+          f"{loading.weights_digest(engine.model)[:12]})", file=sys.stderr)
 
 
 def cmd_demo(args):
@@ -400,10 +397,20 @@ def cmd_bench_vllm(args):
         _check_plotting(args)
     if args.model is not None or args.adapter != "auto" or args.adapter_scope != "all":
         raise KVRagError("bench vllm runs the default model with its adapter in both engines (kvrag export's weights)")
+    if args.accuracy:
+        heldout = None if args.heldout == "" else Path(args.heldout)
+        seed = 5 if args.seed is None else args.seed
+        print(f"accuracy through vLLM: {args.questions} generated test questions (seed {seed})"
+              f"{f' and the questions of {heldout}' if heldout else ''}, the same weights and prompt text everywhere")
+        rows = vllm.accuracy_benchmark(args.questions, heldout, seed)
+        if args.json:
+            Path(args.json).write_text(json_module.dumps(rows, indent=1))
+        return
     lengths = [int(x) for x in args.lengths.split(",")]
     print(f"vLLM {args.runs} runs per length, alternating: vLLM alone (prefix cache on), vLLM with kvrag's connector, "
           f"kvrag's engine in block mode; same weights (default model and adapter, float32), same passages")
-    result = vllm.benchmark(lengths, args.runs, args.clients, args.per_client, args.concurrent_length, seed=args.seed)
+    result = vllm.benchmark(lengths, args.runs, args.clients, args.per_client, args.concurrent_length,
+                            seed=args.seed or 0)
     if args.json:
         Path(args.json).write_text(json_module.dumps(result, indent=1))
     if args.plot:
@@ -945,9 +952,16 @@ def build_parser(finetune_config: dict | None = None) -> argparse.ArgumentParser
     b.add_argument("--clients", type=int, default=16, help="concurrent clients")
     b.add_argument("--per-client", type=int, default=4, help="requests each client sends, one after another")
     b.add_argument("--concurrent-length", type=int, default=1024, help="prompt tokens of the concurrent requests")
-    b.add_argument("--seed", type=int, default=0, help="which passages each request draws, and their order")
-    b.add_argument("--json", metavar="FILE", help="write the rows here")
-    b.add_argument("--plot", metavar="PNG", help="TTFT against prompt length, the three systems")
+    b.add_argument("--seed", type=int, help="which passages each request draws, and their order (default 0); with "
+                                            "--accuracy, the generated test world (default 5, as docs/accuracy.md's)")
+    b.add_argument("--accuracy", action="store_true",
+                   help="instead: each question answered through vLLM with and without the connector and by kvrag's "
+                        "block mode, on the same prompt text; paired differences")
+    b.add_argument("--questions", type=int, default=200, help="with --accuracy: generated test questions")
+    b.add_argument("--heldout", default=str(HELDOUT), help="with --accuracy: a held-out corpus's directory too ('' "
+                                                          "for none)")
+    b.add_argument("--json", metavar="FILE", help="write the rows here (default: only printed)")
+    b.add_argument("--plot", metavar="PNG", help="TTFT against prompt length, the three systems (default: none)")
     b.set_defaults(func=cmd_bench_vllm)
 
     p = _command(sub, "kernels", "the optional C attention kernels", model=False)

@@ -36,9 +36,7 @@ def export(directory: Path, **engine_options) -> Path:
         from kvrag import KVEngine, loading
 
         engine = KVEngine.shared(**engine_options)
-        with loading.quietly():
-            engine.model.save_pretrained(directory)
-            engine.tokenizer.save_pretrained(directory)
+        loading.export(engine.model, engine.tokenizer, directory)
     return directory
 
 
@@ -74,7 +72,7 @@ def vllm_server(model: Path, log_dir: Path, *, connector: bool = True, home: Pat
     if not python.exists():
         raise RuntimeError(f"no vLLM environment at {python.parent.parent}: `./run test` or `./run bench vllm` builds "
                            "it (or set KVRAG_VLLM_PYTHON)")
-    from kvrag_vllm.client import transfer_config
+    from kvrag.vllm_client import transfer_config
 
     log_dir = Path(log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -231,50 +229,59 @@ def concurrent(server: Server, passages, counts, clients: int, per_client: int, 
             "p99": percentile(ttfts, 99) if ttfts else float("nan"), "error_examples": errors[:3]}
 
 
+@contextmanager
+def bench_server(directory: Path | None = None):
+    """A vLLM server for the benchmarks: kvrag's weights, the connector, a 2 GiB KV cache, every core (as
+    kvrag's engine has), eager; everything in a temporary directory."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="kvrag-bench-vllm-", dir=directory) as tmp:
+        tmp = Path(tmp)
+        weights = export(tmp / "weights")
+        cores = os.cpu_count() or 1
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{cores - 1}")
+        os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+        with vllm_server(weights, tmp, home=tmp / "home", max_model_len=8192, kv_cache_gib=2) as server:
+            yield server
+
+
 def benchmark(lengths=(1024, 4096, 8000), runs: int = 3, clients: int = 16, per_client: int = 2,
               concurrent_length: int = 1024, seed: int = 0, directory: Path | None = None, progress=print) -> dict:
     """`kvrag bench vllm`: one vLLM server (its KV cache 2 GiB, both cores, eager) and kvrag's engine in this
     process, on the same weights and passages."""
     import random
-    import tempfile
 
     from kvrag import KVEngine
     from kvrag.eval.ttft import QUESTION, make_passages
-    from kvrag_vllm import index
+    from kvrag.vllm_client import index
 
     engine = KVEngine.shared()
     rng = random.Random(seed)
     passages = [p.strip() for p in make_passages(engine, 2 * max(lengths), block_tokens=200, tag="v")]
     counts = [len(engine.layout.passage_ids(p)) + 2 for p in passages]  # and the blank line after it
-    with tempfile.TemporaryDirectory(prefix="kvrag-bench-vllm-", dir=directory) as tmp:
-        tmp = Path(tmp)
-        weights = export(tmp / "weights")
-        cores = os.cpu_count() or 1
-        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{cores - 1}")  # every core, as kvrag's engine has
-        os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
-        with vllm_server(weights, tmp, home=tmp / "home", max_model_len=8192, kv_cache_gib=2) as server:
-            started = time.perf_counter()
-            index(server.url, passages, model=server.model)
-            vllm_index = time.perf_counter() - started
-            started = time.perf_counter()
-            engine.index(passages, progress=False)
-            kvrag_index = time.perf_counter() - started
-            progress(f"{len(passages)} passages ({sum(counts)} tokens) indexed: through vLLM in {vllm_index:.1f} s, "
-                     f"by kvrag's engine in {kvrag_index:.1f} s")
-            warm = messages(draw(passages, counts, 512, rng), QUESTION)  # the system turn's KV, kept by each
-            _vllm_ttft(server, warm, connector=True)
-            _kvrag_ttft(engine, warm)
-            progress(TTFT_HEADER)
-            rows = ttft_rows(server, engine, passages, counts, lengths, runs, QUESTION, rng, progress)
-            progress(f"{clients} clients, {per_client} requests each, ~{concurrent_length}-token prompts, 16-token "
-                     f"answers, streamed")
-            load = []
-            for connector in (False, True, False, True):
-                cell = concurrent(server, passages, counts, clients, per_client, concurrent_length, QUESTION,
-                                  connector, rng)
-                load.append(cell)
-                progress(f"  {cell['system']:<11} {cell['per_second']:6.2f} requests/s, TTFT p50 "
-                         f"{cell['p50'] * 1e3:7.0f} ms, p99 {cell['p99'] * 1e3:7.0f} ms, {cell['errors']} errors")
+    with bench_server(directory) as server:
+        started = time.perf_counter()
+        index(server.url, passages, model=server.model)
+        vllm_index = time.perf_counter() - started
+        started = time.perf_counter()
+        engine.index(passages, progress=False)
+        kvrag_index = time.perf_counter() - started
+        progress(f"{len(passages)} passages ({sum(counts)} tokens) indexed: through vLLM in {vllm_index:.1f} s, "
+                 f"by kvrag's engine in {kvrag_index:.1f} s")
+        warm = messages(draw(passages, counts, 512, rng), QUESTION)  # the system turn's KV, kept by each
+        _vllm_ttft(server, warm, connector=True)
+        _kvrag_ttft(engine, warm)
+        progress(TTFT_HEADER)
+        rows = ttft_rows(server, engine, passages, counts, lengths, runs, QUESTION, rng, progress)
+        progress(f"{clients} clients, {per_client} requests each, ~{concurrent_length}-token prompts, 16-token "
+                 f"answers, streamed")
+        load = []
+        for connector in (False, True, False, True):
+            cell = concurrent(server, passages, counts, clients, per_client, concurrent_length, QUESTION,
+                              connector, rng)
+            load.append(cell)
+            progress(f"  {cell['system']:<11} {cell['per_second']:6.2f} requests/s, TTFT p50 "
+                     f"{cell['p50'] * 1e3:7.0f} ms, p99 {cell['p99'] * 1e3:7.0f} ms, {cell['errors']} errors")
     return {"ttft": rows, "concurrent": load, "passages": len(passages), "index_seconds": {"vllm": vllm_index,
                                                                                            "kvrag": kvrag_index}}
 
@@ -297,3 +304,83 @@ def plot(result: dict, path: Path) -> Path:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     return Path(path)
+
+
+# ---- kvrag bench vllm --accuracy ---------------------------------------------------------------------------
+
+ACCURACY_LAYOUT = "langchain-system-context"
+ACCURACY_SYSTEMS = ("vllm+kvrag", "kvrag-block", "vllm-full")
+
+
+def accuracy(server: Server, engine, examples, max_new_tokens: int = 48, workers: int = 4, progress=print) -> list[dict]:
+    """Each question asked three ways on the same rendered prompt text and weights: through vLLM with the
+    connector, by kvrag's engine in block mode (its drop-in path), and through vLLM with the connector off
+    (full prefill). Rows: id, type and each system's output and correctness."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from kvrag.eval.layouts import LAYOUTS
+    from kvrag.eval.metrics import answer_in_output
+    from kvrag.vllm_client import index
+
+    passages = sorted({p for e in examples for p in e.passages})
+    index(server.url, passages, model=server.model)
+    engine.index(passages, progress=False)
+
+    def vllm(ids, connector: bool) -> str:
+        body = {"model": server.model, "prompt": ids, "max_tokens": max_new_tokens, "temperature": 0}
+        if not connector:
+            body["kv_transfer_params"] = {"kvrag": "off"}
+        return server.call("/v1/completions", body)["choices"][0]["text"]
+
+    def ask(example) -> dict:
+        text, _ = LAYOUTS[ACCURACY_LAYOUT].render(engine, example.question, example.passages)
+        ids = engine.tokenizer(text, add_special_tokens=False)["input_ids"]
+        outputs = {"vllm+kvrag": vllm(ids, True),
+                   "kvrag-block": engine.generate_text(text, mode="block", max_new_tokens=max_new_tokens).text,
+                   "vllm-full": vllm(ids, False)}
+        row = {"id": example.id, "type": example.type}
+        for system, output in outputs.items():
+            row[system] = output.strip()
+            row[f"{system}_correct"] = answer_in_output(output, example.answers, example.wrong)
+        return row
+
+    ask(examples[0])  # the prompt's header: kept by the connector, so that every measured question can reuse
+    with ThreadPoolExecutor(workers) as pool:
+        rows = list(pool.map(ask, examples))
+    progress(f"{len(rows)} questions, layout {ACCURACY_LAYOUT}")
+    return rows
+
+
+def accuracy_summary(rows: list[dict]) -> list[str]:
+    from kvrag.eval.accuracy import paired_interval
+
+    lines = []
+    for system in ACCURACY_SYSTEMS:
+        lines.append(f"  {system:<12} {100 * sum(r[f'{system}_correct'] for r in rows) / len(rows):5.1f}%")
+    for a, b in (("vllm+kvrag", "kvrag-block"), ("vllm+kvrag", "vllm-full"), ("kvrag-block", "vllm-full")):
+        diffs = [int(r[f"{a}_correct"]) - int(r[f"{b}_correct"]) for r in rows]
+        mean, half = paired_interval(diffs)
+        lines.append(f"  {a} - {b}: {100 * mean:+.1f} ± {100 * half:.1f} points (95%, paired, {len(diffs)} questions)")
+    return lines
+
+
+def accuracy_benchmark(questions: int = 200, heldout: Path | None = None, seed: int = 5, directory: Path | None = None,
+                       progress=print) -> list[dict]:
+    """`kvrag bench vllm --accuracy`: generated test questions (and a held-out corpus's) through `accuracy`."""
+    from kvrag import KVEngine
+    from kvrag.eval import data
+    from kvrag.eval import heldout as held
+
+    engine = KVEngine.shared()
+    examples = data.generate("test", questions, seed=seed) if questions else []
+    if heldout is not None:
+        examples += held.questions(heldout, lambda text: len(engine.layout.encode(text)))
+    with bench_server(directory) as server:
+        rows = accuracy(server, engine, examples, progress=progress)
+    for corpus, chosen in (("generated", [r for r in rows if not r["id"].startswith("heldout")]),
+                           ("held-out", [r for r in rows if r["id"].startswith("heldout")]), ("all", rows)):
+        if chosen:
+            progress(f"{corpus} ({len(chosen)} questions):")
+            for line in accuracy_summary(chosen):
+                progress(line)
+    return rows

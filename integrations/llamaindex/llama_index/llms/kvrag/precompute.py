@@ -14,7 +14,7 @@ import asyncio
 from collections.abc import Sequence
 from typing import Any
 
-from kvrag import EmptyInputError
+from kvrag import EmptyInputError, vllm_client
 from llama_index.core.bridge.pydantic import Field
 from pydantic import computed_field
 from llama_index.core.schema import BaseNode, MetadataMode, TransformComponent
@@ -43,13 +43,24 @@ class KVPrecompute(TransformComponent):
         ```
     """
 
-    llm: KVRagLLM = Field(default_factory=KVRagLLM, exclude=True, description="The LLM whose engine stores the KV.")
+    llm: KVRagLLM | None = Field(default=None, exclude=True, description="The LLM whose engine stores the KV (default: "
+                                 "KVRagLLM(), made on first use).")
+    vllm_url: str | None = Field(default=None, description="A vLLM server running kvrag's connector (http://HOST:PORT) "
+                                 "that answers instead (OpenAILike(api_base=URL + '/v1')): nodes are indexed through "
+                                 "it, and `llm` is not used.")
 
     @computed_field
     @property
     def fingerprint(self) -> str:
         """The model's fingerprint: what an ingestion cache keys this step by (generation settings are not)."""
-        return self.llm.engine.fingerprint
+        if self.vllm_url is not None:
+            return f"vllm:{self.vllm_url}"
+        return self._engine().fingerprint
+
+    def _engine(self):
+        if self.llm is None:
+            self.llm = KVRagLLM()
+        return self.llm.engine
 
     @classmethod
     def class_name(cls) -> str:
@@ -58,7 +69,10 @@ class KVPrecompute(TransformComponent):
     def __call__(self, nodes: Sequence[BaseNode], **kwargs: Any) -> Sequence[BaseNode]:
         if not nodes:  # a pipeline re-run whose documents are all unchanged passes none
             return nodes
-        self.llm.engine.index(
+        if self.vllm_url is not None:
+            vllm_client.index(self.vllm_url, llm_texts(nodes))
+            return nodes
+        self._engine().index(
             llm_texts(nodes),
             names=[f"node {node.node_id}" for node in nodes],
             progress=kwargs.get("show_progress", False),
