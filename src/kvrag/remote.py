@@ -209,22 +209,26 @@ class Remote:
 
     # ---- the passage registry -----------------------------------------------------------------------
 
-    def add_passages(self, texts: list[str]) -> None:
+    def add_passages(self, texts: list[str], registry: str = "passages") -> None:
+        """Add `texts` to a registry, each once: "passages" is the engines' (text), other names other users'
+        (kvrag's vLLM connector keeps token ids per model there)."""
+        keys = [PREFIX + ("passage-digests" if registry == "passages" else f"{registry}-digests"), PREFIX + registry]
+
         def add():
             pipe = self.client.pipeline(transaction=False)
             for text in texts:
                 digest = hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
-                self._add(keys=[PREFIX + "passage-digests", PREFIX + "passages"], args=[digest, text], client=pipe)
+                self._add(keys=keys, args=[digest, text], client=pipe)
             pipe.execute()
 
         if texts:
             self._call("add passages", add, None)
 
-    def passages(self, start: int) -> tuple[list[str | None], int]:
+    def passages(self, start: int, registry: str = "passages") -> tuple[list[str | None], int]:
         """The registry's passages from the `start`-th on (None for an entry that is not text), and where
         the next read starts. A registry shorter than `start` was emptied (a restarted server): read
         from its first. Nothing, and `start` again, when the server cannot say."""
-        key = PREFIX + "passages"
+        key = PREFIX + registry
 
         def read():
             pipe = self.client.pipeline(transaction=True)

@@ -15,9 +15,11 @@ SEPARATORS = ("\n\n", "\n", "\n\n---\n\n", "\n---\n", "\n\n\n")
 _PROBE = ("Alpha.", "Beta")
 
 
-def transfer_config(home: str | None = None, memory_budget: int | None = None) -> str:
-    """The --kv-transfer-config that loads the connector (KV under `home`/vllm, default KVRAG_HOME)."""
-    extra = {k: v for k, v in (("home", home), ("memory_budget", memory_budget)) if v is not None}
+def transfer_config(home: str | None = None, memory_budget: int | None = None, remote: str | None = None) -> str:
+    """The --kv-transfer-config that loads the connector: KV under `home`/vllm (default KVRAG_HOME), at most
+    `memory_budget` bytes of it in memory (default 1 GiB), shared through the Redis tier at `remote` (default
+    $KVRAG_REMOTE; its MAC secret from $KVRAG_SECRET_FILE or $KVRAG_SECRET, as kvrag's engines take it)."""
+    extra = {k: v for k, v in (("home", home), ("memory_budget", memory_budget), ("remote", remote)) if v is not None}
     config = {"kv_connector": "KVRagConnector", "kv_connector_module_path": "kvrag_vllm.connector",
               "kv_role": "kv_both", "kv_load_failure_policy": "recompute"}
     if extra:

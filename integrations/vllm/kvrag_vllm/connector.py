@@ -42,7 +42,12 @@ from . import paged, plan, positions
 logger = logging.getLogger("vllm.kvrag")  # under vLLM's logger, so that its handlers show it
 CONTEXT = "vllm-alone"
 """Every stored block holds the KV of its tokens computed alone from position 0: a passage or glue sent
-alone, or a header, which is the causal start of its prompt."""
+alone, or a header, which is the causal start of its prompt. With tensor parallelism each rank keeps its
+heads' share under its own context (`rank_context`); the scheduler looks for rank 0's."""
+
+
+def rank_context(rank: int) -> str:
+    return CONTEXT if rank == 0 else f"{CONTEXT}/rank{rank}"
 SALT = b"kvrag-block-attention"
 
 
@@ -51,14 +56,13 @@ class Load:
     req_id: str
     block_ids: list[int]
     first: int  # tokens before it are vLLM's own (prefix cache)
-    pieces: list[tuple[str, int, int]]  # (key, start, stop)
+    pieces: list[tuple[list[int], int]]  # (token ids, start): each rank finds its own block of them
 
 
 @dataclass
 class Save:
     req_id: str
     block_ids: list[int]
-    key: str
     ids: list[int]  # tokens 0..len(ids) of the request
 
 
@@ -103,7 +107,9 @@ class KVRagConnector(KVConnectorBase_V1):
         self.block_size = vllm_config.cache_config.block_size
         self.max_tokens = vllm_config.model_config.max_model_len
         self.vocab = vllm_config.model_config.get_vocab_size()
-        self._meta_store = KVStore(self.fingerprint, self.root / "kv", memory_budget=0)
+        self.remote, self.secret = _remote(vllm_config)
+        self._meta_store = KVStore(self.fingerprint, self.root / "kv", memory_budget=0, remote=self.remote,
+                                   secret=self.secret)
         if role == KVConnectorRole.SCHEDULER:
             self._init_scheduler()
         else:
@@ -114,12 +120,13 @@ class KVRagConnector(KVConnectorBase_V1):
     def _init_scheduler(self) -> None:
         self.passages = plan.Passages()
         self._registry = self.root / "passages.txt"
-        self._registry_read = 0
+        self._registry_read = self._remote_read = 0
+        self._remote_registry = f"vllm-passages:{self.fingerprint[:16]}"
         self._refresh()
         self._kind: dict[str, str] = {}  # request id -> "index" | "off"
         self._plans: dict[str, tuple[int, list[plan.Piece]]] = {}
         self._loading: dict[str, tuple[int, list[plan.Piece]]] = {}
-        self._pending: dict[str, tuple[str, list[int]]] = {}  # saves waiting for their tokens to be computed
+        self._pending: dict[str, list[int]] = {}  # saves (of tokens 0..n) waiting for them to be computed
         self._said: set[str] = set()
         self._salted: set[str] = set()
         policy = getattr(self._kv_transfer_config, "kv_load_failure_policy", "recompute")
@@ -131,18 +138,24 @@ class KVRagConnector(KVConnectorBase_V1):
         return self._meta_store.key(CONTEXT, list(ids)) in self._meta_store
 
     def _refresh(self) -> None:
-        """Passages indexed since the last look, by this scheduler or another replica sharing the home."""
+        """Passages indexed since the last look, by this scheduler or another replica sharing the home or
+        the Redis tier."""
+        lines = []
         try:
             with open(self._registry, "rb") as f:
                 f.seek(self._registry_read)
                 data = f.read()
+            end = data.rfind(b"\n") + 1
+            self._registry_read += end
+            lines = data[:end].decode("ascii", "replace").splitlines()
         except FileNotFoundError:
-            return
-        end = data.rfind(b"\n") + 1
-        self._registry_read += end
-        for line in data[:end].splitlines():
+            pass
+        if self.remote is not None:
+            shared, self._remote_read = self.remote.passages(self._remote_read, self._remote_registry)
+            lines += [line for line in shared if line]
+        for line in lines:
             try:  # untrusted: a line that is not token ids of this model is skipped
-                ids = [int(t) for t in line.split(b",")]
+                ids = [int(t) for t in line.split(",")]
             except ValueError:
                 continue
             if 0 < len(ids) <= self.max_tokens and all(0 <= t < self.vocab for t in ids):
@@ -152,9 +165,12 @@ class KVRagConnector(KVConnectorBase_V1):
         if len(ids) < plan.MIN_PASSAGE_TOKENS or len(ids) > self.max_tokens:
             return
         self._registry.parent.mkdir(parents=True, exist_ok=True)
+        line = ",".join(map(str, ids))
         with file_lock(self._registry.with_suffix(".lock")):
             with open(self._registry, "ab") as f:
-                f.write(",".join(map(str, ids)).encode() + b"\n")
+                f.write(line.encode() + b"\n")
+        if self.remote is not None:
+            self.remote.add_passages([line], self._remote_registry)
         self._refresh()
 
     def _say_once(self, what: str, message: str, *args) -> None:
@@ -180,7 +196,7 @@ class KVRagConnector(KVConnectorBase_V1):
             return 0, False
         header = pieces[0] if pieces[0].kind == "header" else None
         if header and header.stop > num_computed_tokens and not self._stored(header.ids):
-            self._pending[request.request_id] = (self._meta_store.key(CONTEXT, list(header.ids)), list(header.ids))
+            self._pending[request.request_id] = list(header.ids)
             return 0, False
         stop = pieces[-1].stop
         if stop <= num_computed_tokens:
@@ -213,19 +229,18 @@ class KVRagConnector(KVConnectorBase_V1):
             computed[rid] = new.num_computed_tokens + scheduler_output.num_scheduled_tokens.get(rid, 0)
             if rid in self._loading:
                 first, pieces = self._loading.pop(rid)
-                meta.loads.append(Load(rid, list(new.block_ids[0]), first, [
-                    (self._meta_store.key(CONTEXT, list(p.ids)), p.start, p.stop) for p in pieces if p.stop > first]))
+                meta.loads.append(Load(rid, list(new.block_ids[0]), first,
+                                       [(list(p.ids), p.start) for p in pieces if p.stop > first]))
             if self._kind.get(rid) == "index":
-                ids = list(new.prompt_token_ids or ())
-                self._pending[rid] = (self._meta_store.key(CONTEXT, ids), ids)
+                self._pending[rid] = list(new.prompt_token_ids or ())
         cached = scheduler_output.scheduled_cached_reqs
         for i, rid in enumerate(cached.req_ids):
             computed[rid] = cached.num_computed_tokens[i] + scheduler_output.num_scheduled_tokens.get(rid, 0)
-        for rid, (key, ids) in list(self._pending.items()):
+        for rid, ids in list(self._pending.items()):
             if computed.get(rid, 0) >= len(ids):
                 del self._pending[rid]
                 block_ids = self._kv_cache_manager.get_block_ids(rid)[0] if self._kv_cache_manager else []
-                meta.saves.append(Save(rid, list(block_ids), key, ids))
+                meta.saves.append(Save(rid, list(block_ids), ids))
         return meta
 
     def request_finished(self, request, block_ids) -> tuple[bool, dict[str, Any] | None]:
@@ -251,8 +266,12 @@ class KVRagConnector(KVConnectorBase_V1):
         self.values: list[torch.Tensor] = []
         self.store: KVStore | None = None
         self.failed: set[int] = set()
+        self.context = CONTEXT
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        self.context = rank_context(get_tensor_model_parallel_rank())
         names = sorted(kv_caches, key=lambda n: [int(x) for x in re.findall(r"\d+", n)])
         self.caches = [kv_caches[n] for n in names]
         backend = _backend(self._vllm_config, names[0], self.caches[0])
@@ -268,7 +287,7 @@ class KVRagConnector(KVConnectorBase_V1):
         first = self.keys[0]
         shape = BlockShape(len(self.caches), first.shape[1], self.head_dim, first.dtype, self.max_tokens)
         self.store = KVStore(self.fingerprint, self.root / "kv", memory_budget=_memory_budget(self._vllm_config),
-                             shape=shape)
+                             shape=shape, remote=self.remote, secret=self.secret)
         logger.info("kvrag: %d layers of %s KV (%s), blocks in %s", len(self.caches), backend, first.dtype, self.root)
 
     def start_load_kv(self, forward_context, **kwargs) -> None:
@@ -276,17 +295,19 @@ class KVRagConnector(KVConnectorBase_V1):
         if not isinstance(meta, KVRagMetadata):
             return
         for load in meta.loads:
-            found = self._fetch([key for key, _, _ in load.pieces])
-            missing = [key for key, _, _ in load.pieces if found.get(key, (None,))[0] is None]
+            keys = [self.store.key(self.context, ids) if self.store else "" for ids, _ in load.pieces]
+            found = self._fetch(keys)
+            missing = [key for key in keys if found.get(key, (None,))[0] is None]
             if missing:  # dropped as damaged or foreign, or gone: vLLM recomputes these tokens
                 if self.store is not None:
                     logger.warning("kvrag: %d stored block(s) of request %s missing or unusable; its passages are "
                                    "prefilled instead", len(missing), load.req_id)
                 first_block = load.first // self.block_size
-                last_block = (load.pieces[-1][2] - 1) // self.block_size
+                last_block = (load.pieces[-1][1] + len(load.pieces[-1][0]) - 1) // self.block_size
                 self.failed.update(load.block_ids[first_block : last_block + 1])
                 continue
-            for key, start, stop in load.pieces:
+            for key, (ids, start) in zip(keys, load.pieces):
+                stop = start + len(ids)
                 block = found[key][0]
                 skip = max(0, load.first - start)
                 where = paged.slots(load.block_ids, start + skip, stop, self.block_size)
@@ -301,7 +322,7 @@ class KVRagConnector(KVConnectorBase_V1):
             return {}
         with warnings.catch_warnings(record=True) as said:
             warnings.simplefilter("always")
-            found = self.store.get_many([(key, CONTEXT) for key in keys])
+            found = self.store.get_many([(key, self.context) for key in keys])
         for warning in said:
             logger.warning("%s", warning.message)
         return found
@@ -321,7 +342,7 @@ class KVRagConnector(KVConnectorBase_V1):
             keys = torch.stack([paged.read(k, where) for k in self.keys]).cpu()
             values = torch.stack([paged.read(v, where) for v in self.values]).cpu()
             block = KVBlock(torch.tensor(save.ids, dtype=torch.long), keys, values, 0)
-            self.store.put(save.key, CONTEXT, block)
+            self.store.put(self.store.key(self.context, save.ids), self.context, block)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         failed, self.failed = self.failed, set()
@@ -344,6 +365,19 @@ def _backend(vllm_config, layer_name: str, cache: torch.Tensor) -> str:
     isa = _get_attn_isa(cache.dtype, vllm_config.cache_config.block_size, vllm_config.model_config.get_head_size(),
                         str(vllm_config.cache_config.cache_dtype))
     return f"{name}/{isa}"
+
+
+def _remote(vllm_config):
+    """The shared Redis tier (extra config "remote", else $KVRAG_REMOTE) and its MAC secret ($KVRAG_SECRET_FILE
+    or $KVRAG_SECRET, required with it), as kvrag's engines take them: replicas on several machines share KV
+    and the passage registry there."""
+    extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
+    url = extra.get("remote") or os.environ.get("KVRAG_REMOTE")
+    if not url:
+        return None, None
+    from kvrag.remote import Remote, shared_secret
+
+    return Remote(url), shared_secret(remote=url)
 
 
 def _memory_budget(vllm_config) -> int:

@@ -65,10 +65,10 @@ def indexed(vllm):
     return vllm
 
 
-def _pieces(vllm, ids):
+def _pieces(vllm, ids, texts=WORLD):
     server = Server(vllm.url, vllm.model)
     found = plan.Passages()
-    for text in WORLD:
+    for text in texts:
         found.add(server.tokens(text))
     glue = {tuple(server.glue(s)) for s in SEPARATORS}
     return plan.leading_run(ids, found.find(ids), lambda run: len(run) >= plan.MIN_PASSAGE_TOKENS or run in glue)
@@ -167,3 +167,31 @@ def test_missing_kv_means_a_plain_prefill(indexed, reference):
     assert cached == 0  # its first passage is gone: nothing to supply before it
     _, _, plain = _complete(indexed, ids, kvrag="off", max_tokens=16)
     assert answer == plain
+
+
+def test_replicas_share_kv_through_redis_and_prefill_when_it_is_gone(weights, reference, tmp_path):
+    """Two servers with homes of their own (two machines) and one Redis: passages indexed through one are
+    reused by the other; with Redis stopped, a passage only it held is prefilled, and no request fails."""
+    from kvrag.eval.scaleout import RedisServer
+    from kvrag.eval.vllm import vllm_server
+
+    shared = [text.replace("Zorvani", "Quellin").replace("Hessby", "Dunmarch") for text in WORLD[:4]]
+    question = "Where does the Quellin river reach the sea?"
+    redis = RedisServer(tmp_path / "redis")
+    redis.start()
+    secret = {"KVRAG_SECRET": "kvrag-test-secret-" + "0" * 32}
+    try:
+        with vllm_server(weights, tmp_path / "a", home=tmp_path / "a", remote=redis.url, env=secret) as a, \
+                vllm_server(weights, tmp_path / "b", home=tmp_path / "b", remote=redis.url, env=secret) as b:
+            assert index(a.url, shared, model=a.model) == len(shared)  # through A only
+            _complete(b, _prompt(reference, [shared[i] for i in (0, 1)], question))  # B's header kept
+            ids = _prompt(reference, [shared[i] for i in (1, 0)], question)
+            _, cached, _ = _complete(b, ids)
+            assert cached == _pieces(b, ids, shared)[-1].stop  # A's passages, read from Redis by B
+            redis.stop()
+            ids = _prompt(reference, [shared[i] for i in (2, 0)], question)  # shared[2]: only Redis had it
+            _, cached, answer = _complete(b, ids, max_tokens=12)
+            _, _, plain = _complete(b, ids, kvrag="off", max_tokens=12)
+            assert answer == plain and cached < _pieces(b, ids, shared)[1].start
+    finally:
+        redis.stop()

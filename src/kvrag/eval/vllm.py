@@ -64,10 +64,11 @@ class Server:
 
 @contextmanager
 def vllm_server(model: Path, log_dir: Path, *, connector: bool = True, home: Path | None = None,
-                dtype: str = "float32", max_model_len: int = 4096, kv_cache_gib: int = 1,
-                extra: tuple[str, ...] = (), timeout: float = 900):
+                remote: str | None = None, dtype: str = "float32", max_model_len: int = 4096, kv_cache_gib: int = 1,
+                extra: tuple[str, ...] = (), env: dict | None = None, timeout: float = 900):
     """vLLM's OpenAI-compatible server on 127.0.0.1 and a free port, eager (no compilation: ready in about a
-    minute), with kvrag's connector keeping KV under `home` unless `connector` is False; stopped after."""
+    minute), with kvrag's connector keeping KV under `home` (and in the Redis tier at `remote`) unless
+    `connector` is False; `env` adds to the environment. Stopped after."""
     python = vllm_python()
     if not python.exists():
         raise RuntimeError(f"no vLLM environment at {python.parent.parent}: `./run test` or `./run bench vllm` builds "
@@ -83,8 +84,8 @@ def vllm_server(model: Path, log_dir: Path, *, connector: bool = True, home: Pat
                "127.0.0.1", "--port", str(port), "--enable-prompt-tokens-details", "--disable-uvicorn-access-log",
                *extra]
     if connector:
-        command += ["--kv-transfer-config", transfer_config(home=str(home) if home else None)]
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib), "TOKENIZERS_PARALLELISM": "false"}
+        command += ["--kv-transfer-config", transfer_config(home=str(home) if home else None, remote=remote)]
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib), "TOKENIZERS_PARALLELISM": "false", **(env or {})}
     with open(log, "ab") as out:
         process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
