@@ -108,8 +108,6 @@ class KVRagConnector(KVConnectorBase_V1):
         self.max_tokens = vllm_config.model_config.max_model_len
         self.vocab = vllm_config.model_config.get_vocab_size()
         self.remote, self.secret = _remote(vllm_config)
-        self._meta_store = KVStore(self.fingerprint, self.root / "kv", memory_budget=0, remote=self.remote,
-                                   secret=self.secret)
         if role == KVConnectorRole.SCHEDULER:
             self._init_scheduler()
         else:
@@ -118,6 +116,8 @@ class KVRagConnector(KVConnectorBase_V1):
     # ---- scheduler side ------------------------------------------------------------------------------
 
     def _init_scheduler(self) -> None:
+        self.stored = KVStore(self.fingerprint, self.root / "kv", memory_budget=0, remote=self.remote,
+                              secret=self.secret)  # only asked what it holds: the workers read and write
         self.passages = plan.Passages()
         self._registry = self.root / "passages.txt"
         self._registry_read = self._remote_read = 0
@@ -135,7 +135,7 @@ class KVRagConnector(KVConnectorBase_V1):
                            "of being recomputed; set \"kv_load_failure_policy\": \"recompute\"", policy)
 
     def _stored(self, ids) -> bool:
-        return self._meta_store.key(CONTEXT, list(ids)) in self._meta_store
+        return self.stored.key(CONTEXT, list(ids)) in self.stored
 
     def _refresh(self) -> None:
         """Passages indexed since the last look, by this scheduler or another replica sharing the home or

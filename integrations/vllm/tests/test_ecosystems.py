@@ -28,7 +28,6 @@ def external_hits(vllm) -> float:
 
 
 def test_langchain_chat_openai_reuses_what_the_vector_store_indexed(vllm, tmp_path):
-    from langchain_core.output_parsers import StrOutputParser  # noqa: F401 - the tutorial's chain, less the parser
     from langchain_core.prompts import ChatPromptTemplate
     from langchain_core.runnables import RunnablePassthrough
     from langchain_openai import ChatOpenAI
