@@ -225,23 +225,25 @@ class KVRagConnector(KVConnectorBase_V1):
         meta = KVRagMetadata()
         computed = {}  # request id -> tokens computed once this step ran
         for new in scheduler_output.scheduled_new_reqs:
-            rid = new.req_id
-            computed[rid] = new.num_computed_tokens + scheduler_output.num_scheduled_tokens.get(rid, 0)
-            if rid in self._loading:
-                first, pieces = self._loading.pop(rid)
-                meta.loads.append(Load(rid, list(new.block_ids[0]), first,
-                                       [(list(p.ids), p.start) for p in pieces if p.stop > first]))
-            if self._kind.get(rid) == "index":
-                self._pending[rid] = list(new.prompt_token_ids or ())
+            computed[new.req_id] = new.num_computed_tokens + scheduler_output.num_scheduled_tokens.get(new.req_id, 0)
+            if self._kind.get(new.req_id) == "index":
+                self._pending[new.req_id] = list(new.prompt_token_ids or ())
         cached = scheduler_output.scheduled_cached_reqs
-        for i, rid in enumerate(cached.req_ids):
+        for i, rid in enumerate(cached.req_ids):  # a preempted request that resumes is planned again, here
             computed[rid] = cached.num_computed_tokens[i] + scheduler_output.num_scheduled_tokens.get(rid, 0)
+        for rid in [rid for rid in self._loading if rid in computed]:
+            first, pieces = self._loading.pop(rid)
+            meta.loads.append(Load(rid, self._block_ids(rid), first,
+                                   [(list(p.ids), p.start) for p in pieces if p.stop > first]))
         for rid, ids in list(self._pending.items()):
             if computed.get(rid, 0) >= len(ids):
                 del self._pending[rid]
-                block_ids = self._kv_cache_manager.get_block_ids(rid)[0] if self._kv_cache_manager else []
-                meta.saves.append(Save(rid, list(block_ids), ids))
+                meta.saves.append(Save(rid, self._block_ids(rid), ids))
         return meta
+
+    def _block_ids(self, rid: str) -> list[int]:
+        """The request's paged blocks, in order (of its only KV cache group)."""
+        return list(self._kv_cache_manager.get_block_ids(rid)[0])
 
     def request_finished(self, request, block_ids) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
