@@ -313,9 +313,9 @@ class KVRagConnector(KVConnectorBase_V1):
                 block = found[key][0]
                 skip = max(0, load.first - start)
                 where = paged.slots(load.block_ids, start + skip, stop, self.block_size)
-                keys = positions.rotate(block.keys[:, :, skip:], start - block.start, self.inv_freq, self.neox)
+                rotated = positions.rotate(block.keys[:, :, skip:], start - block.start, self.inv_freq, self.neox)
                 for layer in range(len(self.caches)):
-                    paged.write(self.keys[layer], where, keys[layer])
+                    paged.write(self.keys[layer], where, rotated[layer])
                     paged.write(self.values[layer], where, block.values[layer, :, skip:])
 
     def _fetch(self, keys: list[str]) -> dict:
