@@ -8,7 +8,10 @@ import pytest
 
 import kvrag
 
-PUBLIC_MODULES = {"kvrag.chains", "kvrag.retrieval"}
+PUBLIC_MODULES = {"kvrag.chains", "kvrag.retrieval", "kvrag.vllm_client"}
+CONNECTOR_MODULES = {"kvrag.locks", "kvrag.store", "kvrag.rope", "kvrag.remote", "kvrag.vllm_client"}
+"""What the vLLM connector, which runs inside vLLM and writes its paged caches, takes from kvrag: the store it
+shares with kvrag's engines, the rotation, and no more (tests/../integrations/vllm)."""
 HARNESS = ("kvrag.eval", "kvrag.train", "kvrag.app")
 """The research harness and the `kvrag` command: the integrations' product code never imports them (their
 tests may, to compare against the harness)."""
@@ -49,4 +52,14 @@ def test_no_integration_imports_the_harness_or_the_app():
                 assert not module.startswith(tuple(f"{h}." for h in HARNESS)) and module not in HARNESS, (
                     f"{path.relative_to(INTEGRATIONS)}:{node.lineno} imports {module}")
     packages = {p.relative_to(INTEGRATIONS).parts[0] for p in files}
-    assert packages == {"langchain", "llamaindex"}, packages  # both integrations' code was read
+    assert packages == {"langchain", "llamaindex", "vllm"}, packages  # every integration's code was read
+
+
+def test_the_vllm_connector_takes_only_the_store_and_the_rotation_from_kvrag():
+    imported = set()
+    for path in sorted((INTEGRATIONS / "vllm" / "kvrag_vllm").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "kvrag":
+                assert node.module in CONNECTOR_MODULES, (path.name, node.module)
+                imported.add(node.module)
+    assert {"kvrag.store", "kvrag.rope"} <= imported

@@ -66,19 +66,25 @@ def test_python_snippet_runs(path, line, code, monkeypatch, capsys):
             assert ANSWERS[question].lower() in out.lower(), (question, out)
 
 
-TABLE = re.compile(r"^<!-- (table|curve): ([^>]+?) -->\n\n?((?:\|.*\n?)+)", re.MULTILINE)
+TABLE = re.compile(r"^<!-- (table|curve|vllm-ttft|vllm-accuracy): ([^>]+?) -->\n\n?((?:\|.*\n?)+)", re.MULTILINE)
 """A Markdown table computed from results files, and the comment before it that names them and the function:
-`weights_table` for "table", `curve_table` for "curve"."""
+`weights_table` for "table", `curve_table` for "curve", kvrag.eval.vllm's `ttft_table` and `accuracy_table`
+for "vllm-ttft" and "vllm-accuracy"."""
 IMAGE = re.compile(r"!\[[^\]]*\]\(([^)]+\.png)\)")
 RESULTS = ROOT / "docs" / "results"
 
 
 def test_each_accuracy_table_is_what_its_results_files_compute():
     """Each table after a `<!-- table: docs/results/FILE.jsonl.gz ... -->` line is
-    `kvrag.eval.accuracy.weights_table` of those files (`curve_table` after `<!-- curve: ... -->`); the
+    `kvrag.eval.accuracy.weights_table` of those files (`curve_table` after `<!-- curve: ... -->`, and so on:
+    `TABLE`); the
     README's Accuracy section shows one, and every file kept in docs/results is one that a table is computed
     from or an image the docs show."""
+    from kvrag.eval import vllm
     from kvrag.eval.accuracy import curve_table, weights_table
+
+    computes = {"table": weights_table, "curve": curve_table, "vllm-ttft": vllm.ttft_table,
+                "vllm-accuracy": vllm.accuracy_table}
 
     readme = FENCE.sub("", README.read_text(encoding="utf-8"))
     section = readme.split("\n## Accuracy\n", 1)[1].split("\n## ", 1)[0]
@@ -89,8 +95,7 @@ def test_each_accuracy_table_is_what_its_results_files_compute():
         for kind, names, table in TABLE.findall(text):
             files = [ROOT / name for name in names.split()]
             assert all(f.is_file() and f.parent == RESULTS for f in files), (path.name, names)
-            compute = weights_table if kind == "table" else curve_table
-            assert table.strip() == compute(files), f"{path.name}: the {kind} of {names}"
+            assert table.strip() == computes[kind](files), f"{path.name}: the {kind} of {names}"
             shown.update(files)
         shown.update((path.parent / image).resolve() for image in IMAGE.findall(text))
     kept = {f for f in RESULTS.iterdir() if f.name != "NOTICE.md"}

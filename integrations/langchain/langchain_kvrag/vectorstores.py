@@ -16,8 +16,9 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from kvrag import KVEngine, vllm_client
+from kvrag import KVEngine
 from kvrag.retrieval import chroma_client, chroma_collection, chroma_path, parse_chroma_url
+from kvrag.vllm_client import index as index_through_vllm
 from langchain_chroma import Chroma
 from langchain_core.documents import Document
 from langchain_core.embeddings import Embeddings
@@ -194,7 +195,7 @@ class KVRagVectorStore(VectorStore):
 
     def _index(self, texts: list[str]) -> None:
         if self.vllm_url is not None:
-            vllm_client.index(self.vllm_url, texts)
+            index_through_vllm(self.vllm_url, texts)
         else:
             self.engine.index(texts, progress=self.show_progress)
 

@@ -385,3 +385,38 @@ def accuracy_benchmark(questions: int = 200, heldout: Path | None = None, seed: 
             for line in accuracy_summary(chosen):
                 progress(line)
     return rows
+
+
+# ---- the tables docs/vllm.md shows, computed from the files in docs/results (tests/test_readme.py) ---------
+
+def ttft_table(paths) -> str:
+    """Markdown: `benchmark`'s TTFT rows (its --json file)."""
+    result = json.loads(Path(paths[0]).read_text())
+    lines = ["| prompt tokens | vLLM alone | vLLM + kvrag | kvrag's engine, block | vLLM alone / + kvrag | "
+             "+ kvrag / kvrag's engine |", "|---:|---:|---:|---:|---:|---:|"]
+    for row in result["ttft"]:
+        lines.append(f"| {row['prompt_tokens']} | {row['vllm'] * 1e3:.0f} ms | {row['vllm+kvrag'] * 1e3:.0f} ms | "
+                     f"{row['kvrag'] * 1e3:.0f} ms | {row['vllm'] / row['vllm+kvrag']:.1f}× | "
+                     f"{row['vllm+kvrag'] / row['kvrag']:.2f}× |")
+    return "\n".join(lines)
+
+
+def accuracy_table(paths) -> str:
+    """Markdown: `accuracy`'s rows (its --json file, gzipped) by corpus, with paired differences."""
+    import gzip
+
+    from kvrag.eval.accuracy import paired_interval, points
+
+    rows = json.loads(gzip.decompress(Path(paths[0]).read_bytes()))
+    lines = ["| corpus | vLLM + kvrag | kvrag block | vLLM full | + kvrag − kvrag block | + kvrag − full |",
+             "|---|---:|---:|---:|---:|---:|"]
+    heldout = [r for r in rows if r["id"].startswith("heldout")]
+    for name, chosen in (("generated", [r for r in rows if r not in heldout]), ("held-out", heldout), ("both", rows)):
+        if not chosen:
+            continue
+        share = {s: 100 * sum(r[f"{s}_correct"] for r in chosen) / len(chosen) for s in ACCURACY_SYSTEMS}
+        diffs = [points(*paired_interval([int(r["vllm+kvrag_correct"]) - int(r[f"{other}_correct"]) for r in chosen]))
+                 for other in ("kvrag-block", "vllm-full")]
+        lines.append(f"| {name}, {len(chosen)} | {share['vllm+kvrag']:.1f}% | {share['kvrag-block']:.1f}% | "
+                     f"{share['vllm-full']:.1f}% | {diffs[0]} | {diffs[1]} |")
+    return "\n".join(lines)

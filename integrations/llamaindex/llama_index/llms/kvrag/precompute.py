@@ -14,7 +14,8 @@ import asyncio
 from collections.abc import Sequence
 from typing import Any
 
-from kvrag import EmptyInputError, vllm_client
+from kvrag import EmptyInputError
+from kvrag.vllm_client import index as index_through_vllm
 from llama_index.core.bridge.pydantic import Field
 from pydantic import computed_field
 from llama_index.core.schema import BaseNode, MetadataMode, TransformComponent
@@ -45,7 +46,7 @@ class KVPrecompute(TransformComponent):
 
     llm: KVRagLLM | None = Field(default=None, exclude=True, description="The LLM whose engine stores the KV (default: "
                                  "KVRagLLM(), made on first use).")
-    vllm_url: str | None = Field(default=None, description="A vLLM server running kvrag's connector (http://HOST:PORT) "
+    vllm_url: str | None = Field(default=None, exclude=True, description="A vLLM server running kvrag's connector (http://HOST:PORT) "
                                  "that answers instead (OpenAILike(api_base=URL + '/v1')): nodes are indexed through "
                                  "it, and `llm` is not used.")
 
@@ -70,7 +71,7 @@ class KVPrecompute(TransformComponent):
         if not nodes:  # a pipeline re-run whose documents are all unchanged passes none
             return nodes
         if self.vllm_url is not None:
-            vllm_client.index(self.vllm_url, llm_texts(nodes))
+            index_through_vllm(self.vllm_url, llm_texts(nodes))
             return nodes
         self._engine().index(
             llm_texts(nodes),
