@@ -4,7 +4,6 @@ Shared by the core's tests and the integrations' (pytest's pythonpath holds test
 `from servers import chroma_server, RedisServer`.
 """
 
-import socket
 import subprocess
 import sys
 import time
@@ -14,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvrag.eval.scaleout import RedisServer, stop_process  # noqa: F401 - the bench's, which starts redis-server
+from kvrag.eval.scaleout import RedisServer, free_port, stop_process  # noqa: F401 - the bench's, which starts redis-server
 
 CHROMA = Path(sys.executable).with_name("chroma")
 """The `chroma` command chromadb installs next to the interpreter."""
@@ -25,14 +24,6 @@ def chroma(tmp_path_factory):
     """A `chroma run` server for a test module (import this fixture into it); yields its URL."""
     with chroma_server(tmp_path_factory.mktemp("chroma")) as url:
         yield url
-
-
-def free_port() -> int:
-    """A port nothing listens on now (the server binds it itself, so another process could take it
-    in between: a start that fails on it is retried)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @contextmanager

@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 from tiny import CHATML, tiny_tokenizer
 
-from kvrag import KVEngine, ModelFileError, loading
+from kvrag import KVEngine, ModelFileError, loading, paths
 from kvrag.errors import DiskFullError
 from kvrag.paths import write_atomic
 
@@ -283,7 +283,7 @@ def test_weights_rewritten_in_place_with_their_mtime_restored_are_hashed_again(s
     first = KVEngine.from_pretrained(str(model_dir), device="cpu", home=home)
     digest = loading.weights_digest(first.model)  # now: the loaded weights may map the file and change with it
     weights = model_dir / "model.safetensors"
-    stat, header_digest = weights.stat(), loading._safetensors_header(weights)
+    stat, header_digest = weights.stat(), paths.safetensors_header_digest(weights)
     header = 8 + int.from_bytes(weights.read_bytes()[:8], "little")
     with open(weights, "r+b") as f:  # the same inode, other values in the first tensor
         f.seek(header)
@@ -291,7 +291,7 @@ def test_weights_rewritten_in_place_with_their_mtime_restored_are_hashed_again(s
     os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns))
     after = weights.stat()
     assert (after.st_ino, after.st_size, after.st_mtime_ns) == (stat.st_ino, stat.st_size, stat.st_mtime_ns)
-    assert loading._safetensors_header(weights) == header_digest
+    assert paths.safetensors_header_digest(weights) == header_digest
     again = KVEngine.from_pretrained(str(model_dir), device="cpu", home=home)
     assert loading.weights_digest(again.model) != digest
     assert again.fingerprint != first.fingerprint

@@ -9,9 +9,9 @@ import pytest
 import kvrag
 
 PUBLIC_MODULES = {"kvrag.chains", "kvrag.retrieval", "kvrag.vllm_client"}
-CONNECTOR_MODULES = {"kvrag.locks", "kvrag.store", "kvrag.rope", "kvrag.remote", "kvrag.vllm_client"}
+CONNECTOR_MODULES = {"kvrag.locks", "kvrag.paths", "kvrag.store", "kvrag.rope", "kvrag.remote", "kvrag.vllm_client"}
 """What the vLLM connector, which runs inside vLLM and writes its paged caches, takes from kvrag: the store it
-shares with kvrag's engines, the rotation, and no more (tests/../integrations/vllm)."""
+shares with kvrag's engines (and where it keeps files), the rotation, and no more (tests/../integrations/vllm)."""
 HARNESS = ("kvrag.eval", "kvrag.train", "kvrag.app")
 """The research harness and the `kvrag` command: the integrations' product code never imports them (their
 tests may, to compare against the harness)."""
@@ -55,7 +55,7 @@ def test_no_integration_imports_the_harness_or_the_app():
     assert packages == {"langchain", "llamaindex", "vllm"}, packages  # every integration's code was read
 
 
-def test_the_vllm_connector_takes_only_the_store_and_the_rotation_from_kvrag():
+def test_the_vllm_connector_takes_only_the_store_the_rotation_and_paths_from_kvrag():
     imported = set()
     for path in sorted((INTEGRATIONS / "vllm" / "kvrag_vllm").glob("*.py")):
         for node in ast.walk(ast.parse(path.read_text(), str(path))):

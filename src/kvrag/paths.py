@@ -1,6 +1,7 @@
 """Where kvrag keeps what it computes: KVRAG_HOME (default ~/.cache/kvrag)."""
 
 import errno
+import hashlib
 import os
 import shutil
 import uuid
@@ -14,6 +15,16 @@ FULL = (errno.ENOSPC, errno.EDQUOT)
 
 def kvrag_home() -> Path:
     return Path(os.environ.get("KVRAG_HOME") or Path.home() / ".cache" / "kvrag").expanduser()
+
+
+def safetensors_header_digest(path: Path) -> str:
+    """SHA-256 of a safetensors file's JSON header (its tensors' names, dtypes, shapes and offsets): what
+    identifies a checkpoint's weights without reading them."""
+    with open(path, "rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        if size > 1 << 28:
+            raise ValueError(f"{path}: header of {size} bytes")
+        return hashlib.sha256(f.read(size)).hexdigest()
 
 
 def writable_home(home: Path) -> Path:

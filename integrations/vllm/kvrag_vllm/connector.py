@@ -35,6 +35,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvrag.locks import file_lock
+from kvrag.paths import kvrag_home, safetensors_header_digest
 from kvrag.store import BlockShape, KVBlock, KVStore
 
 from . import paged, plan, positions
@@ -82,9 +83,7 @@ def fingerprint(vllm_config) -> str:
             if path.is_file() and path.suffix in (".json", ".safetensors", ".jinja", ".model"):
                 entry = [path.name, path.stat().st_size]
                 if path.suffix == ".safetensors":
-                    with open(path, "rb") as f:  # the header: every tensor's name, dtype, shape and offsets
-                        size = int.from_bytes(f.read(8), "little")
-                        entry.append(hashlib.sha256(f.read(min(size, 1 << 28))).hexdigest())
+                    entry.append(safetensors_header_digest(path))
                 identity.append(entry)
     identity += [str(model.dtype), str(vllm_config.cache_config.cache_dtype),
                  vllm_config.parallel_config.tensor_parallel_size, "kvrag-vllm/1"]
@@ -93,8 +92,7 @@ def fingerprint(vllm_config) -> str:
 
 def home(config) -> Path:
     extra = config.kv_transfer_config.kv_connector_extra_config or {}
-    root = extra.get("home") or os.environ.get("KVRAG_HOME") or Path.home() / ".cache" / "kvrag"
-    return Path(root).expanduser() / "vllm"
+    return (Path(extra["home"]).expanduser() if extra.get("home") else kvrag_home()) / "vllm"
 
 
 class KVRagConnector(KVConnectorBase_V1):

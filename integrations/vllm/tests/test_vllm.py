@@ -12,7 +12,7 @@ import torch
 from kvrag.attention import mask
 from kvrag_vllm import plan
 from kvrag.vllm_client import index
-from kvrag.vllm_client import SEPARATORS, Server
+from kvrag.vllm_client import SEPARATORS
 
 pytestmark = pytest.mark.e2e  # the default model, served by vLLM
 
@@ -34,12 +34,10 @@ def _prompt(reference, passages, question, system="Answer from the context, in o
     return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
 
 
-def _complete(vllm, ids, kvrag=None, max_tokens=1):
-    body = {"model": vllm.model, "prompt": ids, "max_tokens": max_tokens, "temperature": 0, "logprobs": 5,
-            "return_tokens_as_token_ids": True}
-    if kvrag:
-        body["kv_transfer_params"] = {"kvrag": kvrag}
-    reply = vllm.call("/v1/completions", body)
+def _complete(vllm, ids, connector=True, max_tokens=1):
+    body = vllm.request(connector, prompt=ids, max_tokens=max_tokens, temperature=0, logprobs=5,
+                        return_tokens_as_token_ids=True)
+    reply = vllm.call("POST", "/v1/completions", body)
     choice = reply["choices"][0]
     top = {int(k.removeprefix("token_id:")): v for k, v in choice["logprobs"]["top_logprobs"][0].items()}
     return top, reply["usage"]["prompt_tokens_details"]["cached_tokens"], choice["text"]
@@ -66,17 +64,15 @@ def indexed(vllm):
 
 
 def _pieces(vllm, ids, texts=WORLD):
-    server = Server(vllm.url, vllm.model)
     found = plan.Passages()
     for text in texts:
-        found.add(server.tokens(text))
-    glue = {tuple(server.glue(s)) for s in SEPARATORS}
+        found.add(vllm.tokens(text))
+    glue = {tuple(vllm.glue(s)) for s in SEPARATORS}
     return plan.leading_run(ids, found.find(ids), lambda run: len(run) >= plan.MIN_PASSAGE_TOKENS or run in glue)
 
 
 def _stored_file(vllm, text):
-    server = Server(vllm.url, vllm.model)
-    ids = server.tokens(text)
+    ids = vllm.tokens(text)
     from safetensors import safe_open
 
     for f in glob.glob(str(vllm.home / "vllm" / "*" / "kv" / "*" / "*")):
@@ -110,7 +106,7 @@ def test_passages_are_reused_in_any_order_exactly_as_block_attention(indexed, re
         assert [p.kind for p in pieces].count("passage") == len(order)
         top, cached, _ = _complete(indexed, ids)
         assert cached == pieces[-1].stop  # header and every passage, not one token of the question
-        _, alone_cached, _ = _complete(indexed, ids, kvrag="off")  # vLLM alone: a new order, nothing to reuse
+        _, alone_cached, _ = _complete(indexed, ids, connector=False)  # vLLM alone: a new order, nothing to reuse
         assert alone_cached < pieces[1].start  # at most whole 128-token blocks of a header seen before
         expected = _reference_logprobs(reference, ids, pieces)
         for token, logprob in top.items():
@@ -126,7 +122,7 @@ def test_a_plain_request_after_a_kvrag_one_gets_full_prefills_output(indexed, re
     _complete(indexed, _prompt(reference, [WORLD[i] for i in (5, 1)], question))  # the header kept
     _, cached, _ = _complete(indexed, ids)
     assert cached > 128
-    top, cached, _ = _complete(indexed, ids, kvrag="off")
+    top, cached, _ = _complete(indexed, ids, connector=False)
     assert cached <= 128  # never the blocks the connector filled: only a causal header block, if any
     with torch.no_grad():
         expected = torch.log_softmax(model(torch.tensor([ids])).logits[0, -1].double(), -1)
@@ -151,7 +147,7 @@ def test_after_a_restart_kv_is_read_back_and_damaged_or_foreign_kv_dropped(index
         _, cached, _ = _complete(restarted, healthy)
         assert cached == _pieces(restarted, healthy)[-1].stop
         ids = _prompt(reference, [WORLD[i] for i in (3, 2)], question)
-        _, _, plain = _complete(restarted, ids, kvrag="off", max_tokens=16)
+        _, _, plain = _complete(restarted, ids, connector=False, max_tokens=16)
         _, cached, answer = _complete(restarted, ids, max_tokens=16)
         assert answer == plain  # recomputed by vLLM: the answer of a full prefill
         assert not damaged.exists() and not foreign.exists()  # dropped, never served
@@ -165,7 +161,7 @@ def test_missing_kv_means_a_plain_prefill(indexed, reference):
     ids = _prompt(reference, [WORLD[i] for i in (5, 1, 0)], question)
     _, cached, answer = _complete(indexed, ids, max_tokens=16)
     assert cached == 0  # its first passage is gone: nothing to supply before it
-    _, _, plain = _complete(indexed, ids, kvrag="off", max_tokens=16)
+    _, _, plain = _complete(indexed, ids, connector=False, max_tokens=16)
     assert answer == plain
 
 
@@ -191,7 +187,7 @@ def test_replicas_share_kv_through_redis_and_prefill_when_it_is_gone(weights, re
             redis.stop()
             ids = _prompt(reference, [shared[i] for i in (2, 0)], question)  # shared[2]: only Redis had it
             _, cached, answer = _complete(b, ids, max_tokens=12)
-            _, _, plain = _complete(b, ids, kvrag="off", max_tokens=12)
+            _, _, plain = _complete(b, ids, connector=False, max_tokens=12)
             assert answer == plain and cached < _pieces(b, ids, shared)[1].start
     finally:
         redis.stop()

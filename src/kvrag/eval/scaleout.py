@@ -24,6 +24,14 @@ from kvrag.eval.serving import sample_retrievals
 from kvrag.eval.ttft import FILLER
 
 
+def free_port() -> int:
+    """A port nothing listens on now (the server binds it itself, so another process could take it
+    in between: a start that fails on it is retried)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def stop_process(process: subprocess.Popen, timeout: float = 15) -> None:
     """SIGTERM, then SIGKILL if it lingers past `timeout` seconds."""
     if process.poll() is None:
@@ -45,9 +53,7 @@ class RedisServer:
                  password: str | None = None, tls: bool = False):
         self.directory, self.maxmemory, self.policy = Path(directory), maxmemory, policy
         self.directory.mkdir(parents=True, exist_ok=True)
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            self.port = sock.getsockname()[1]
+        self.port = free_port()
         self.options = ["--port", str(self.port)]
         auth = f":{password}@" if password else ""
         self.url, self.process = f"redis://{auth}127.0.0.1:{self.port}/0", None

@@ -7,7 +7,6 @@ with one model.
 
 import json
 import os
-import socket
 import statistics
 import subprocess
 import threading
@@ -17,7 +16,8 @@ import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
 
-from kvrag.eval.scaleout import stop_process
+from kvrag import vllm_client
+from kvrag.eval.scaleout import free_port, stop_process
 
 SERVED_NAME = "kvrag-default"
 
@@ -40,26 +40,19 @@ def export(directory: Path, **engine_options) -> Path:
     return directory
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-class Server:
-    """A running vLLM server: `url`, `model` (the served name), `log` (its output, a file), `home`."""
+class Server(vllm_client.Server):
+    """A vLLM server `vllm_server` started: the client's calls, and its `log` (a file), `home` and process."""
 
     def __init__(self, url: str, log: Path, home: Path | None, process: subprocess.Popen):
-        self.url, self.log, self.home, self.process, self.model = url, log, home, process, SERVED_NAME
+        super().__init__(url, SERVED_NAME)
+        self.log, self.home, self.process = log, home, process
 
     def log_text(self) -> str:
         return self.log.read_text(errors="replace")
 
-    def call(self, path: str, body: dict | None = None, timeout: float = 600) -> dict:
-        data = json.dumps(body).encode() if body is not None else None
-        request = urllib.request.Request(self.url + path, data=data, headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(request, timeout=timeout) as response:
-            return json.loads(response.read())
+    def request(self, connector: bool, **fields) -> dict:
+        """A request body for the served model, marked to bypass the connector unless `connector`."""
+        return {"model": self.model, **fields, **({} if connector else {"kv_transfer_params": {"kvrag": "off"}})}
 
 
 @contextmanager
@@ -73,18 +66,16 @@ def vllm_server(model: Path, log_dir: Path, *, connector: bool = True, home: Pat
     if not python.exists():
         raise RuntimeError(f"no vLLM environment at {python.parent.parent}: `./run test` or `./run bench vllm` builds "
                            "it (or set KVRAG_VLLM_PYTHON)")
-    from kvrag.vllm_client import transfer_config
-
     log_dir = Path(log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
-    port = _free_port()
+    port = free_port()
     log = log_dir / f"vllm-{port}.log"
     command = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--served-model-name",
                SERVED_NAME, "--dtype", dtype, "--max-model-len", str(max_model_len), "--enforce-eager", "--host",
                "127.0.0.1", "--port", str(port), "--enable-prompt-tokens-details", "--disable-uvicorn-access-log",
                *extra]
     if connector:
-        command += ["--kv-transfer-config", transfer_config(home=str(home) if home else None, remote=remote)]
+        command += ["--kv-transfer-config", vllm_client.transfer_config(home=str(home) if home else None, remote=remote)]
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib), "TOKENIZERS_PARALLELISM": "false", **(env or {})}
     with open(log, "ab") as out:
         process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env)
@@ -137,11 +128,9 @@ def draw(passages: list[str], counts: list[int], tokens: int, rng) -> list[str]:
 
 def _vllm_ttft(server: Server, chat: list[dict], connector: bool) -> tuple[float, int]:
     """Seconds to the first token (a one-token answer) and the prompt tokens vLLM did not compute."""
-    body = {"model": server.model, "messages": chat, "max_tokens": 1, "temperature": 0}
-    if not connector:
-        body["kv_transfer_params"] = {"kvrag": "off"}
+    body = server.request(connector, messages=chat, max_tokens=1, temperature=0)
     start = time.perf_counter()
-    reply = server.call("/v1/chat/completions", body)
+    reply = server.call("POST", "/v1/chat/completions", body)
     return time.perf_counter() - start, reply["usage"]["prompt_tokens_details"]["cached_tokens"]
 
 
@@ -197,10 +186,7 @@ def concurrent(server: Server, passages, counts, clients: int, per_client: int, 
     def client(chats):
         with httpx.Client(timeout=600) as http:
             for chat in chats:
-                body = {"model": server.model, "messages": chat, "max_tokens": max_tokens, "temperature": 0,
-                        "stream": True}
-                if not connector:
-                    body["kv_transfer_params"] = {"kvrag": "off"}
+                body = server.request(connector, messages=chat, max_tokens=max_tokens, temperature=0, stream=True)
                 start, first = time.perf_counter(), None
                 try:
                     with http.stream("POST", server.url + "/v1/chat/completions", json=body) as response:
@@ -239,10 +225,9 @@ def bench_server(directory: Path | None = None):
     with tempfile.TemporaryDirectory(prefix="kvrag-bench-vllm-", dir=directory) as tmp:
         tmp = Path(tmp)
         weights = export(tmp / "weights")
-        cores = os.cpu_count() or 1
-        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{cores - 1}")
-        os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
-        with vllm_server(weights, tmp, home=tmp / "home", max_model_len=8192, kv_cache_gib=2) as server:
+        cores = {"VLLM_CPU_OMP_THREADS_BIND": f"0-{(os.cpu_count() or 1) - 1}", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+        with vllm_server(weights, tmp, home=tmp / "home", max_model_len=8192, kv_cache_gib=2,
+                         env={name: os.environ.get(name, value) for name, value in cores.items()}) as server:
             yield server
 
 
@@ -254,7 +239,6 @@ def benchmark(lengths=(1024, 4096, 8000), runs: int = 3, clients: int = 16, per_
 
     from kvrag import KVEngine
     from kvrag.eval.ttft import QUESTION, make_passages
-    from kvrag.vllm_client import index
 
     engine = KVEngine.shared()
     rng = random.Random(seed)
@@ -262,7 +246,7 @@ def benchmark(lengths=(1024, 4096, 8000), runs: int = 3, clients: int = 16, per_
     counts = [len(engine.layout.passage_ids(p)) + 2 for p in passages]  # and the blank line after it
     with bench_server(directory) as server:
         started = time.perf_counter()
-        index(server.url, passages, model=server.model)
+        vllm_client.index(server.url, passages, model=server.model)
         vllm_index = time.perf_counter() - started
         started = time.perf_counter()
         engine.index(passages, progress=False)
@@ -321,17 +305,14 @@ def accuracy(server: Server, engine, examples, max_new_tokens: int = 48, workers
 
     from kvrag.eval.layouts import LAYOUTS
     from kvrag.eval.metrics import answer_in_output
-    from kvrag.vllm_client import index
 
     passages = sorted({p for e in examples for p in e.passages})
-    index(server.url, passages, model=server.model)
+    vllm_client.index(server.url, passages, model=server.model)
     engine.index(passages, progress=False)
 
     def vllm(ids, connector: bool) -> str:
-        body = {"model": server.model, "prompt": ids, "max_tokens": max_new_tokens, "temperature": 0}
-        if not connector:
-            body["kv_transfer_params"] = {"kvrag": "off"}
-        return server.call("/v1/completions", body)["choices"][0]["text"]
+        body = server.request(connector, prompt=ids, max_tokens=max_new_tokens, temperature=0)
+        return server.call("POST", "/v1/completions", body)["choices"][0]["text"]
 
     def ask(example) -> dict:
         text, _ = LAYOUTS[ACCURACY_LAYOUT].render(engine, example.question, example.passages)
@@ -352,19 +333,6 @@ def accuracy(server: Server, engine, examples, max_new_tokens: int = 48, workers
     return rows
 
 
-def accuracy_summary(rows: list[dict]) -> list[str]:
-    from kvrag.eval.accuracy import paired_interval
-
-    lines = []
-    for system in ACCURACY_SYSTEMS:
-        lines.append(f"  {system:<12} {100 * sum(r[f'{system}_correct'] for r in rows) / len(rows):5.1f}%")
-    for a, b in (("vllm+kvrag", "kvrag-block"), ("vllm+kvrag", "vllm-full"), ("kvrag-block", "vllm-full")):
-        diffs = [int(r[f"{a}_correct"]) - int(r[f"{b}_correct"]) for r in rows]
-        mean, half = paired_interval(diffs)
-        lines.append(f"  {a} - {b}: {100 * mean:+.1f} ± {100 * half:.1f} points (95%, paired, {len(diffs)} questions)")
-    return lines
-
-
 def accuracy_benchmark(questions: int = 200, heldout: Path | None = None, seed: int = 5, directory: Path | None = None,
                        progress=print) -> list[dict]:
     """`kvrag bench vllm --accuracy`: generated test questions (and a held-out corpus's) through `accuracy`."""
@@ -378,12 +346,7 @@ def accuracy_benchmark(questions: int = 200, heldout: Path | None = None, seed: 
         examples += held.questions(heldout, lambda text: len(engine.layout.encode(text)))
     with bench_server(directory) as server:
         rows = accuracy(server, engine, examples, progress=progress)
-    for corpus, chosen in (("generated", [r for r in rows if not r["id"].startswith("heldout")]),
-                           ("held-out", [r for r in rows if r["id"].startswith("heldout")]), ("all", rows)):
-        if chosen:
-            progress(f"{corpus} ({len(chosen)} questions):")
-            for line in accuracy_summary(chosen):
-                progress(line)
+    progress(accuracy_markdown(rows))
     return rows
 
 
@@ -402,12 +365,17 @@ def ttft_table(paths) -> str:
 
 
 def accuracy_table(paths) -> str:
-    """Markdown: `accuracy`'s rows (its --json file, gzipped) by corpus, with paired differences."""
+    """Markdown: `accuracy`'s rows (its --json file, gzipped), `accuracy_markdown`."""
     import gzip
 
+    return accuracy_markdown(json.loads(gzip.decompress(Path(paths[0]).read_bytes())))
+
+
+def accuracy_markdown(rows: list[dict]) -> str:
+    """`accuracy`'s rows by corpus (generated, held-out, both): each system's share right and the paired
+    differences of the connector's answers against kvrag's block mode and against full prefill (95%)."""
     from kvrag.eval.accuracy import paired_interval, points
 
-    rows = json.loads(gzip.decompress(Path(paths[0]).read_bytes()))
     lines = ["| corpus | vLLM + kvrag | kvrag block | vLLM full | + kvrag − kvrag block | + kvrag − full |",
              "|---|---:|---:|---:|---:|---:|"]
     heldout = [r for r in rows if r["id"].startswith("heldout")]
