@@ -4,6 +4,7 @@ a request."""
 
 import glob
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -191,3 +192,62 @@ def test_replicas_share_kv_through_redis_and_prefill_when_it_is_gone(weights, re
             assert answer == plain and cached < _pieces(b, ids, shared)[1].start
     finally:
         redis.stop()
+
+
+def _tiny_llama(directory: Path, tokenizer) -> Path:
+    """A random two-layer Llama, 4 query and 2 KV heads (so two tensor-parallel ranks hold one KV head each),
+    with the default model's tokenizer and chat template."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=4096,
+                         initializer_range=0.1, tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id,
+                         eos_token_id=tokenizer.eos_token_id)
+    LlamaForCausalLM(config).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+def test_tensor_parallel_ranks_keep_and_load_their_own_heads(reference, tmp_path):
+    """`--tensor-parallel-size 2` on vLLM's CPU backend: each rank keeps its KV head's slice of a passage and
+    loads it back re-rotated; the answer is block attention's over all heads."""
+    from safetensors.torch import load
+    from transformers import AutoModelForCausalLM
+
+    from kvrag.eval.vllm import vllm_server
+
+    tiny = _tiny_llama(tmp_path / "tiny", reference[1])
+    model = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32).eval()
+    cores = os.cpu_count() or 1
+    binding = f"0-{cores // 2 - 1}|{cores // 2}-{cores - 1}" if cores > 1 else "0|0"
+    with vllm_server(tiny, tmp_path, home=tmp_path / "home", extra=("--tensor-parallel-size", "2"),
+                     env={"VLLM_CPU_OMP_THREADS_BIND": binding}) as server:
+        assert index(server.url, WORLD, model=server.model) == len(WORLD)
+        ids = server.tokens(WORLD[1])
+        slices = [load(f.read_bytes()) for f in (tmp_path / "home" / "vllm").glob("*/kv/*/*.safetensors")]
+        slices = [s for s in slices if s["token_ids"].tolist() == ids]
+        with torch.no_grad():
+            cache = model(torch.tensor([ids]), use_cache=True).past_key_values
+        assert len(slices) == 2 and all(s["keys"].shape[1] == 1 for s in slices)  # one KV head per rank
+        heads = []
+        for stored in slices:
+            head = [h for h in range(2) if torch.allclose(stored["keys"][0, 0], cache.layers[0].keys[0, h], atol=1e-4)]
+            assert len(head) == 1
+            heads += head
+            for layer in range(2):
+                torch.testing.assert_close(stored["keys"][layer, 0], cache.layers[layer].keys[0, head[0]], rtol=1e-4, atol=1e-4)
+                torch.testing.assert_close(stored["values"][layer, 0], cache.layers[layer].values[0, head[0]], rtol=1e-4, atol=1e-4)
+        assert sorted(heads) == [0, 1]  # each rank its own head
+        question = "Who founded the glassworks of Hessby?"
+        _complete(server, _prompt(reference, [WORLD[i] for i in (1, 4)], question))  # the header kept
+        ids = _prompt(reference, [WORLD[i] for i in (4, 0, 1)], question)
+        pieces = _pieces(server, ids)
+        top, cached, _ = _complete(server, ids)
+        assert cached == pieces[-1].stop
+        block = _reference_logprobs((model, None), ids, pieces)
+        with torch.no_grad():
+            causal = torch.log_softmax(model(torch.tensor([ids])).logits[0, -1].double(), -1)
+        assert max(abs(block[t] - causal[t]).item() for t in top) > 0.02  # the check below tells the two apart
+        for token, logprob in top.items():
+            assert math.isclose(logprob, block[token].item(), abs_tol=2e-3), token
