@@ -83,3 +83,28 @@ def test_chains_answer_only_in_kvrags_layout_and_unknown_layouts_are_named():
         check_methods(["block", "map_rerank"], [OWN, "numbered"])
     with pytest.raises(ValueError, match=r"unknown prompt layout\(s\) \['chatml'\]"):
         check_methods(["block"], ["chatml"])
+
+
+@pytest.mark.e2e
+def test_the_text_around_passages_is_tokenized_as_the_whole_prompt_is(default_engine):
+    """What transformers or vLLM compute for a prompt's text is what kvrag prefills: a blank line before a
+    passage is two newline tokens, as in the whole text, not the one token it is alone. Where a passage
+    follows a space (it tokenizes otherwise in place), it keeps its indexed ids and the text stays whole."""
+    from kvrag.eval import data
+
+    engine, example = default_engine, data.generate("dev", 1, seed=3)[0]
+    tokenize = lambda text: engine.tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert len(tokenize("\n\n")) == 1 and len(tokenize("\n\nA")) == 3  # the default tokenizer has the case
+    after_newlines = 0
+    for layout in LAYOUTS.values():
+        text, spans = layout.render(engine, example.question, example.passages)
+        prompt, _ = engine.prompt_from_text(text, spans)
+        if all(text[start - 1] == "\n" for start, _ in spans):
+            assert prompt.ids() == tokenize(text), layout.name
+            after_newlines += 1
+        else:
+            assert engine.tokenizer.decode(prompt.ids()) == text
+            assert [engine.layout.passage_ids(p) for p in example.passages] == prompt.blocks[::2]
+    assert after_newlines >= 4
+    prompt, _ = engine.build_prompt(example.question, example.passages)  # kvrag's own layout
+    assert prompt.ids() == tokenize(engine.tokenizer.decode(prompt.ids()))

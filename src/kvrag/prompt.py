@@ -2,8 +2,10 @@
 
 The chat template is rendered once around a placeholder user message; what precedes the
 placeholder is the shared prefix (system turn and the opening of the user turn), what follows it
-closes the user turn and opens the assistant's. Each part is tokenized on its own, so the ids of
-a passage never depend on its neighbours and `full` mode prefills exactly the same ids.
+closes the user turn and opens the assistant's. A passage is tokenized on its own, so its ids never
+depend on its neighbours and `full` mode prefills exactly the same ids. The text around passages is
+tokenized as tokenizing the whole prompt has it, so that where passages tokenize alone as they do in
+place, a prompt's ids are those a server tokenizing it whole (transformers, vLLM) computes.
 
 A passage block is the passage's own text; the separator between two passages is a small block
 of its own and the one after the last passage opens the question. So a passage's block is the
@@ -19,6 +21,7 @@ from .errors import EmptyInputError, InputEncodingError
 
 _PLACEHOLDER = "\x00kvrag-user-message\x00"
 _PASSAGE_MARKER = "\x00kvrag-passage-{}\x00"
+_CONTEXT_CHARS = 16  # tokenizers' pre-splitting looks a character or two past a piece
 
 
 def check_text(text, what: str = "passage") -> str:
@@ -85,8 +88,8 @@ class PromptLayout:
         self.tokenizer = tokenizer
         self.format = fmt or PromptFormat()
         self.head, self.tail = self._template_parts()
-        self.prefix_ids = self.encode(self.head)
-        self.separator_ids = self.encode(self.format.separator)
+        self.prefix_ids = self.before_a_passage(self.head)
+        self.separator_ids = self.before_a_passage(self.format.separator)
 
     def _template_parts(self) -> tuple[str, str]:
         system = self.format.system
@@ -151,8 +154,28 @@ class PromptLayout:
         for (start, stop), next_start in zip(cuts, [c[0] for c in cuts[1:]] + [None]):
             blocks.append(self.block_ids(text[start:stop]))
             if next_start is not None and next_start > stop:
-                blocks.append(self.block_ids(text[stop:next_start]))
-        return Prompt(self.encode(text[: cuts[0][0]]), blocks, self.encode(text[end:]))
+                blocks.append(self.in_context(text, stop, next_start))
+        return Prompt(self.in_context(text, 0, cuts[0][0]), blocks, self.in_context(text, end, len(text)))
+
+    def before_a_passage(self, text: str) -> list[int]:
+        """Ids of `text` where a passage (a word) follows it: a blank line there is two newlines."""
+        return self.in_context(text + "A", 0, len(text))
+
+    def in_context(self, text: str, start: int, stop: int) -> list[int]:
+        """Ids of `text[start:stop]` as tokenizing the whole text gives them (a blank line before a word is
+        two newline tokens, not one), when the whole text's tokens break at `start` and `stop`; else the
+        piece tokenized alone. Servers that tokenize the prompt whole (vLLM, transformers) then compute the
+        same tokens as kvrag around passages."""
+        lo, hi = max(0, start - _CONTEXT_CHARS), min(len(text), stop + _CONTEXT_CHARS)
+        return list(self._in_context(text[lo:hi], start - lo, stop - lo))
+
+    @functools.lru_cache(maxsize=16384)
+    def _in_context(self, window: str, start: int, stop: int) -> tuple[int, ...]:
+        whole, left, right = (self.encode(t) for t in (window, window[:start], window[stop:]))
+        inside = len(whole) - len(left) - len(right)
+        if inside > 0 and whole[: len(left)] == left and whole[len(whole) - len(right) :] == right:
+            return tuple(whole[len(left) : len(left) + inside])
+        return tuple(self.encode(window[start:stop]))
 
     def render_chat(self, turns: Sequence[tuple[str, Sequence[str | Passage]]]) -> tuple[str, list[tuple[int, int]] | None]:
         """The chat-template text of `turns`, (role, parts) pairs, and the character spans of their

@@ -400,9 +400,9 @@ def cmd_bench_vllm(args):
     if args.accuracy:
         heldout = None if args.heldout == "" else Path(args.heldout)
         seed = 5 if args.seed is None else args.seed
-        print(f"accuracy through vLLM: {args.questions} generated test questions (seed {seed})"
+        print(f"accuracy through vLLM: {args.questions} generated and {args.squad} SQuAD test questions (seed {seed})"
               f"{f' and the questions of {heldout}' if heldout else ''}, the same weights and prompt text everywhere")
-        rows = vllm.accuracy_benchmark(args.questions, heldout, seed)
+        rows = vllm.accuracy_benchmark(args.questions, heldout, seed, args.squad)
         if args.json:
             Path(args.json).write_text(json_module.dumps(rows, indent=1))
         return
@@ -956,8 +956,9 @@ def build_parser(finetune_config: dict | None = None) -> argparse.ArgumentParser
                                             "--accuracy, the generated test world (default 5, as docs/accuracy.md's)")
     b.add_argument("--accuracy", action="store_true",
                    help="instead: each question answered through vLLM with and without the connector and by kvrag's "
-                        "block mode, on the same prompt text; paired differences")
+                        "block and full modes, on the same prompt text; paired differences")
     b.add_argument("--questions", type=int, default=200, help="with --accuracy: generated test questions")
+    b.add_argument("--squad", type=int, default=0, help="with --accuracy: SQuAD test questions, 5 passages each")
     b.add_argument("--heldout", default=str(HELDOUT), help="with --accuracy: a held-out corpus's directory too ('' "
                                                           "for none)")
     b.add_argument("--json", metavar="FILE", help="write the rows here (default: only printed)")

@@ -294,13 +294,13 @@ def plot(result: dict, path: Path) -> Path:
 # ---- kvrag bench vllm --accuracy ---------------------------------------------------------------------------
 
 ACCURACY_LAYOUT = "langchain-system-context"
-ACCURACY_SYSTEMS = ("vllm+kvrag", "kvrag-block", "vllm-full")
+ACCURACY_SYSTEMS = ("vllm+kvrag", "kvrag-block", "vllm-full", "kvrag-full")
 
 
 def accuracy(server: Server, engine, examples, max_new_tokens: int = 48, workers: int = 4, progress=print) -> list[dict]:
-    """Each question asked three ways on the same rendered prompt text and weights: through vLLM with the
-    connector, by kvrag's engine in block mode (its drop-in path), and through vLLM with the connector off
-    (full prefill). Rows: id, type and each system's output and correctness."""
+    """Each question asked four ways on the same rendered prompt text and weights: through vLLM with the
+    connector, by kvrag's engine in block mode (its drop-in path), through vLLM with the connector off and by
+    kvrag's engine in full mode (full prefill both). Rows: id, type and each system's output and correctness."""
     from concurrent.futures import ThreadPoolExecutor
 
     from kvrag.eval.layouts import LAYOUTS
@@ -319,7 +319,8 @@ def accuracy(server: Server, engine, examples, max_new_tokens: int = 48, workers
         ids = engine.tokenizer(text, add_special_tokens=False)["input_ids"]
         outputs = {"vllm+kvrag": vllm(ids, True),
                    "kvrag-block": engine.generate_text(text, mode="block", max_new_tokens=max_new_tokens).text,
-                   "vllm-full": vllm(ids, False)}
+                   "vllm-full": vllm(ids, False),
+                   "kvrag-full": engine.generate_text(text, mode="full", max_new_tokens=max_new_tokens).text}
         row = {"id": example.id, "type": example.type}
         for system, output in outputs.items():
             row[system] = output.strip()
@@ -333,15 +334,18 @@ def accuracy(server: Server, engine, examples, max_new_tokens: int = 48, workers
     return rows
 
 
-def accuracy_benchmark(questions: int = 200, heldout: Path | None = None, seed: int = 5, directory: Path | None = None,
-                       progress=print) -> list[dict]:
-    """`kvrag bench vllm --accuracy`: generated test questions (and a held-out corpus's) through `accuracy`."""
+def accuracy_benchmark(questions: int = 200, heldout: Path | None = None, seed: int = 5, squad_questions: int = 0,
+                       directory: Path | None = None, progress=print) -> list[dict]:
+    """`kvrag bench vllm --accuracy`: generated test questions (SQuAD's, 5 passages each, and a held-out
+    corpus's) through `accuracy`."""
     from kvrag import KVEngine
-    from kvrag.eval import data
+    from kvrag.eval import data, squad
     from kvrag.eval import heldout as held
 
     engine = KVEngine.shared()
     examples = data.generate("test", questions, seed=seed) if questions else []
+    if squad_questions:
+        examples += squad.questions("test", squad_questions, passages=5, seed=seed)
     if heldout is not None:
         examples += held.questions(heldout, lambda text: len(engine.layout.encode(text)))
     with bench_server(directory) as server:
@@ -372,19 +376,24 @@ def accuracy_table(paths) -> str:
 
 
 def accuracy_markdown(rows: list[dict]) -> str:
-    """`accuracy`'s rows by corpus (generated, held-out, both): each system's share right and the paired
-    differences of the connector's answers against kvrag's block mode and against full prefill (95%)."""
+    """`accuracy`'s rows by corpus (generated, SQuAD, held-out, all): each system's share right, the paired
+    differences of the connector's answers against kvrag's block mode and against full prefill (95%), and how
+    often two systems answer word for word alike."""
     from kvrag.eval.accuracy import paired_interval, points
 
-    lines = ["| corpus | vLLM + kvrag | kvrag block | vLLM full | + kvrag − kvrag block | + kvrag − full |",
-             "|---|---:|---:|---:|---:|---:|"]
-    heldout = [r for r in rows if r["id"].startswith("heldout")]
-    for name, chosen in (("generated", [r for r in rows if r not in heldout]), ("held-out", heldout), ("both", rows)):
-        if not chosen:
-            continue
+    lines = ["| corpus | vLLM + kvrag | kvrag block | vLLM full | kvrag full | + kvrag − kvrag block | + kvrag − vLLM full "
+             "| same words: + kvrag, kvrag block | same words: vLLM full, kvrag full |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    corpora = {"squad": "SQuAD", "heldout": "held-out"}
+    corpus = lambda row: next((name for prefix, name in corpora.items() if row["id"].startswith(prefix)), "generated")
+    groups = [(name, [r for r in rows if corpus(r) == name]) for name in ("generated", *corpora.values())]
+    for name, chosen in [(name, chosen) for name, chosen in groups if chosen] + [("all", rows)]:
         share = {s: 100 * sum(r[f"{s}_correct"] for r in chosen) / len(chosen) for s in ACCURACY_SYSTEMS}
         diffs = [points(*paired_interval([int(r["vllm+kvrag_correct"]) - int(r[f"{other}_correct"]) for r in chosen]))
                  for other in ("kvrag-block", "vllm-full")]
+        same = [100 * sum(r[a] == r[b] for r in chosen) / len(chosen)
+                for a, b in (("vllm+kvrag", "kvrag-block"), ("vllm-full", "kvrag-full"))]
         lines.append(f"| {name}, {len(chosen)} | {share['vllm+kvrag']:.1f}% | {share['kvrag-block']:.1f}% | "
-                     f"{share['vllm-full']:.1f}% | {diffs[0]} | {diffs[1]} |")
+                     f"{share['vllm-full']:.1f}% | {share['kvrag-full']:.1f}% | {diffs[0]} | {diffs[1]} | "
+                     f"{same[0]:.0f}% | {same[1]:.0f}% |")
     return "\n".join(lines)
