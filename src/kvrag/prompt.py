@@ -22,6 +22,7 @@ from .errors import EmptyInputError, InputEncodingError
 _PLACEHOLDER = "\x00kvrag-user-message\x00"
 _PASSAGE_MARKER = "\x00kvrag-passage-{}\x00"
 _CONTEXT_CHARS = 16  # tokenizers' pre-splitting looks a character or two past a piece
+_CACHED_CHARS = 1024  # pieces around passages up to this long are tokenized once
 
 
 def check_text(text, what: str = "passage") -> str:
@@ -167,15 +168,18 @@ class PromptLayout:
         piece tokenized alone. Servers that tokenize the prompt whole (vLLM, transformers) then compute the
         same tokens as kvrag around passages."""
         lo, hi = max(0, start - _CONTEXT_CHARS), min(len(text), stop + _CONTEXT_CHARS)
-        return list(self._in_context(text[lo:hi], start - lo, stop - lo))
+        # glue and a system prompt's header recur in every request; a long chat history is not worth keeping
+        split = self._in_context_cached if hi - lo <= _CACHED_CHARS else self._in_context
+        return list(split(text[lo:hi], start - lo, stop - lo))
 
-    @functools.lru_cache(maxsize=16384)
     def _in_context(self, window: str, start: int, stop: int) -> tuple[int, ...]:
         whole, left, right = (self.encode(t) for t in (window, window[:start], window[stop:]))
         inside = len(whole) - len(left) - len(right)
         if inside > 0 and whole[: len(left)] == left and whole[len(whole) - len(right) :] == right:
             return tuple(whole[len(left) : len(left) + inside])
         return tuple(self.encode(window[start:stop]))
+
+    _in_context_cached = functools.lru_cache(maxsize=16384)(_in_context)
 
     def render_chat(self, turns: Sequence[tuple[str, Sequence[str | Passage]]]) -> tuple[str, list[tuple[int, int]] | None]:
         """The chat-template text of `turns`, (role, parts) pairs, and the character spans of their
