@@ -87,19 +87,24 @@ def test_selection_takes_the_tokens_whose_kv_deviates_most_in_context(deep_engin
     assert recomputed(engine, prompt, config, auto=True).tolist() == (ordered.indices[:needed] + first).sort().values.tolist()
 
 
-def question_mass(engine, prompt, layer=1):
-    """The attention the question pays each passage token on `layer` in block attention, as the model's
-    own eager attention computes it over the whole prompt with the block mask (renormalized over the
-    context, summed over the question's tokens and the heads)."""
+def question_reads(engine, prompt):
+    """The attention the question pays each passage token on every layer in block attention, as the model's
+    own eager attention computes it over the whole prompt with the block mask, renormalized over the context:
+    [layers, heads, question tokens, passage tokens]."""
     lengths = [len(prompt.prefix), *map(len, prompt.blocks), len(prompt.question)]
     context, first = len(prompt) - len(prompt.question), len(prompt.prefix)
     reference = copy.deepcopy(engine.model)  # the engine's own attention kernel returns no weights
     reference.set_attn_implementation("eager")
     with torch.no_grad():
         weights = reference(torch.tensor([prompt.ids()]), attention_mask=block_mask(lengths),
-                               position_ids=torch.arange(len(prompt))[None], output_attentions=True).attentions[layer]
-    read = weights[0, :, context:, :context]
-    return (read / read.sum(-1, keepdim=True)).sum(dim=(0, 1))[first:]
+                            position_ids=torch.arange(len(prompt))[None], output_attentions=True).attentions
+    read = torch.stack(weights)[:, 0, :, context:, :context]
+    return (read / read.sum(-1, keepdim=True))[..., first:]
+
+
+def question_mass(engine, prompt, layer=1):
+    """`question_reads` on `layer`, summed over the question's tokens and the heads."""
+    return question_reads(engine, prompt)[layer].sum(dim=(0, 1))
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "llama3-scaled"])
@@ -115,6 +120,49 @@ def test_attention_selection_takes_what_the_question_reads_most(make_engine, tok
     got = recomputed(engine, prompt, config)
     assert got.tolist() == expected.tolist()
     assert got.tolist() != recomputed(engine, prompt, BlendConfig(recompute_ratio=0.3, check_layers=(layer,), select="deviation")).tolist()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_lookahead_endpoints_are_full_and_block(make_engine, tok, arch, device):
+    """Nothing recomputed is block mode, everything is full, whether shares are global or per passage."""
+    engine = make_engine(arch, device=device)
+    prompt = random_prompt(len(tok))
+    full, block = question_logits(engine, prompt, "full"), question_logits(engine, prompt, "block")
+    tolerance = TOLERANCE[engine.model.dtype]
+    for per_passage in (False, True):
+        at = lambda ratio: blend_logits(engine, prompt, recompute_ratio=ratio, select="lookahead",  # noqa: E731
+                                        per_passage=per_passage)
+        torch.testing.assert_close(at(1.0), full, rtol=tolerance, atol=tolerance)
+        torch.testing.assert_close(at(0.0), block, rtol=tolerance, atol=tolerance)
+        assert (at(0.5)[-1] - full[-1]).norm() < (block[-1] - full[-1]).norm()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "llama3-scaled"])
+def test_lookahead_takes_what_block_modes_question_pass_reads_most(deep_engine, tok, arch):
+    """select="lookahead": the top share of the attention block mode's question pays each passage token,
+    summed over every layer (or the deep half), or each layer's most-reading head and token; per passage,
+    each block's own top share."""
+    engine = deep_engine(arch)
+    prompt = random_prompt(len(tok))
+    first = len(prompt.prefix)
+    reads = question_reads(engine, prompt)
+    top = lambda mass, share=0.3: (mass.topk(round(share * len(mass))).indices + first).sort().values.tolist()  # noqa: E731
+    ahead = lambda **settings: recomputed(engine, prompt, BlendConfig(recompute_ratio=0.3, select="lookahead",  # noqa: E731
+                                                                       **settings)).tolist()
+    assert ahead() == top(reads.sum(dim=(0, 1, 2)))
+    assert ahead(lookahead_layers="deep") == top(reads[2:].sum(dim=(0, 1, 2)))
+    assert ahead(lookahead_heads="max") == top(reads.amax(dim=(1, 2)).sum(0))
+    assert ahead() != ahead(lookahead_layers="deep")
+    mass, chosen = reads.sum(dim=(0, 1, 2)), ahead(per_passage=True)
+    bounds = [*prompt.block_starts(), len(prompt) - len(prompt.question)]
+    for start, end in zip(bounds, bounds[1:]):
+        own = mass[start - first:end - first]
+        assert [p for p in chosen if start <= p < end] == [p + start - first for p in top(own)]
+    # auto: the fewest tokens holding `coverage` of that attention
+    ordered = mass.sort(descending=True)
+    needed = int((ordered.values.cumsum(0) < 0.6 * mass.sum()).sum()) + 1
+    config = BlendConfig(select="lookahead", coverage=0.6, least=0.0, most=1.0)
+    assert recomputed(engine, prompt, config, auto=True).tolist() == (ordered.indices[:needed] + first).sort().values.tolist()
 
 
 @pytest.mark.parametrize("coverage", [0.3, 0.6, 0.9])
@@ -187,6 +235,9 @@ def test_blend_generation_reports_what_it_recomputed(make_engine, tok):
     assert result.reused_tokens == len(prompt) - len(prompt.question) - recomputed
     streamed = "".join(engine.stream("Who built the mill?", texts, mode="blend", max_new_tokens=4))
     assert streamed == result.text
+    ahead = engine.generate("Who built the mill?", texts, mode="blend", max_new_tokens=4,
+                            blend=BlendConfig(recompute_ratio=0.2, select="lookahead"))
+    assert ahead.prefilled_tokens == 2 * len(prompt.question) + recomputed  # its first stage ran the question too
     alone = engine.generate("Who built the mill?", [], mode="blend", max_new_tokens=4)  # nothing to blend
     assert alone.token_ids == engine.generate("Who built the mill?", [], mode="block", max_new_tokens=4).token_ids
 
@@ -201,6 +252,8 @@ def test_blend_generation_reports_what_it_recomputed(make_engine, tok):
         (dict(widen=0.5), "widen"),
         (dict(sink_tokens=-1), "sink_tokens"),
         (dict(select="queries"), "select"),
+        (dict(lookahead_layers="middle"), "lookahead_layers"),
+        (dict(lookahead_heads="mean"), "lookahead_heads"),
         (dict(coverage=0.0), "coverage"),
         (dict(least=0.6, most=0.5), "least"),
     ],

@@ -10,7 +10,10 @@ One pass over the layers, starting from block mode's assembled cache. Every toke
 output every later choice needs. On each check layer only a share of the passage tokens still being
 computed goes on: those whose fresh K or V deviates most from the cached ones (CacheBlend's choice and
 the default, `select="deviation"`) or those the question attends to most over the cached KV
-(`select="attention"`, as query-centric methods choose); the question always does. Mode "auto" takes the
+(`select="attention"`, as query-centric methods choose); the question always does. `select="lookahead"`
+(after ProphetKV) chooses before the pass instead: block mode's own question pass runs first, through every
+layer over the cached blocks, and the attention it pays each passage token, summed over layers and heads,
+names the tokens that the pass then recomputes from layer 0 on. Mode "auto" takes the
 fewest tokens that hold a share (`coverage`) of the measure on the first check layer, so the share
 follows the request; with several check layers it is the share the last one keeps, as `recompute_ratio`
 is blend's. A computed token writes its fresh K/V over the cached ones (the cache layers' `slots`) and
@@ -46,9 +49,15 @@ class BlendConfig:
     sink_tokens      the first tokens of every block are recomputed as well (each block's own
                      attention sink, after EPIC), on top of the ratio.
     select           "deviation" (CacheBlend: the tokens whose K or V changes most in context),
-                     or "attention" (the tokens the question attends to most over the cached KV, on
-                     the check layer). docs/modes.md has the measurements that made deviation the
-                     default (and dropped leading segments, which did worse than either).
+                     "attention" (the tokens the question attends to most over the cached KV, on
+                     the check layer), or "lookahead" (ProphetKV's two stages: the tokens block mode's
+                     question pass reads most over `lookahead_layers`, chosen before any recompute;
+                     `check_layers` and `widen` do not apply). docs/modes.md has the measurements.
+    lookahead_layers "all" the layers, or the "deep" half, whose attention lookahead sums.
+    lookahead_heads  "sum" a token's attention over heads and question tokens, or its "max" over them
+                     (a token one head reads hard is not outvoted by the rest).
+    per_passage      lookahead: every passage recomputes its own share of its tokens, so that one passage
+                     the question reads a lot cannot crowd out the rest.
     coverage         mode "auto": recompute the fewest passage tokens that hold `coverage` of the total
                      deviation (or of the question's attention) on the first check layer, between `least`
                      and `most` of the passage tokens; the share then follows each request.
@@ -59,7 +68,10 @@ class BlendConfig:
     deviation: Literal["keys", "values"] = "keys"
     widen: float = 2.0
     sink_tokens: int = 0
-    select: Literal["attention", "deviation"] = "deviation"
+    select: Literal["attention", "deviation", "lookahead"] = "deviation"
+    lookahead_layers: Literal["all", "deep"] = "all"
+    lookahead_heads: Literal["sum", "max"] = "sum"
+    per_passage: bool = False
     coverage: float = 0.9
     least: float = 0.05
     most: float = 0.5
@@ -77,8 +89,12 @@ class BlendConfig:
             raise ValueError(f"widen must be at least 1, got {self.widen}")
         if self.sink_tokens < 0:
             raise ValueError(f"sink_tokens must be >= 0, got {self.sink_tokens}")
-        if self.select not in ("attention", "deviation"):
-            raise ValueError(f"select must be 'attention' or 'deviation', got {self.select!r}")
+        if self.select not in ("attention", "deviation", "lookahead"):
+            raise ValueError(f"select must be 'attention', 'deviation' or 'lookahead', got {self.select!r}")
+        if self.lookahead_layers not in ("all", "deep"):
+            raise ValueError(f"lookahead_layers must be 'all' or 'deep', got {self.lookahead_layers!r}")
+        if self.lookahead_heads not in ("sum", "max"):
+            raise ValueError(f"lookahead_heads must be 'sum' or 'max', got {self.lookahead_heads!r}")
         if not 0.0 < self.coverage <= 1.0:
             raise ValueError(f"coverage must be within (0, 1], got {self.coverage}")
         if not 0.0 <= self.least <= self.most <= 1.0:
@@ -113,12 +129,12 @@ def fresh_kv(family, layer, hidden: torch.Tensor, cos: torch.Tensor,
 def question_attention(family, layer, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                        keys: torch.Tensor) -> torch.Tensor:
     """How much attention the tokens `hidden` (the question) pay each of `keys` [1, kv_heads, n, head_dim]
-    on `layer`, summed over them and the heads; softmax over `keys` alone."""
+    on `layer` [heads, tokens, n]; softmax over `keys` alone."""
     attn = layer.self_attn
     queries = _rotate(family.queries(attn, layer.input_layernorm(hidden)).transpose(1, 2), cos, sin)
     keys = keys.to(queries.dtype).repeat_interleave(queries.shape[1] // keys.shape[1], dim=1)
     weights = torch.softmax(queries @ keys.transpose(-1, -2) * getattr(attn, "scaling", attn.head_dim**-0.5), dim=-1)
-    return weights.sum(dim=(0, 1, 2))
+    return weights[0]
 
 
 @torch.inference_mode()
@@ -132,13 +148,18 @@ def prefill(model, workspace, ids: list[int], first: int, context: int, block_st
     device, n = workspace.keys.device, len(ids)
     selection = Selection(config, first, context, block_starts, device, auto)
     active = torch.arange(n, device=device)
-    hidden = decoder.embed_tokens(torch.tensor(ids, device=device))[None]
+    mask = None  # every token runs: plain causal attention
+    if config.select == "lookahead":  # the tokens are chosen before the pass, which runs only them from layer 0
+        read = lookahead(family, decoder, workspace, ids, context, config)
+        active = torch.cat([selection.ahead(read), active[context:]])
+    hidden = decoder.embed_tokens(torch.tensor(ids, device=device)[active])[None]
+    if config.select == "lookahead":
+        mask = attention_mask(active, n, hidden.dtype)
     cache = workspace.cache(n)
     last = len(decoder.layers) - 1
-    mask = None  # every token runs: plain causal attention
     for index, layer in enumerate(decoder.layers):
         cos, sin = decoder.rotary_emb(hidden, active[None])
-        if index in config.check_layers:
+        if index in selection.checks:
             stay = selection.survivors(family, layer, index, hidden, cos, sin, active, workspace)
             active, hidden, cos, sin = active[stay], hidden[:, stay], cos[:, stay], sin[:, stay]
             mask = attention_mask(active, n, hidden.dtype)
@@ -165,14 +186,55 @@ def prefill(model, workspace, ids: list[int], first: int, context: int, block_st
     return logits[0], recomputed
 
 
+def lookahead(family, decoder, workspace, ids: list[int], context: int, config: BlendConfig) -> torch.Tensor:
+    """Stage one of "lookahead": block mode's question pass over the cached `ids[:context]`, layer by layer,
+    returning the attention it pays each of those tokens [context], summed over `config.lookahead_layers`
+    (per layer summed, or the most, over heads and question tokens: `config.lookahead_heads`). It writes the
+    question's block-mode KV, which stage two overwrites; the last layer's output is never needed."""
+    device, n = workspace.keys.device, len(ids)
+    active = torch.arange(context, n, device=device)
+    hidden = decoder.embed_tokens(torch.tensor(ids[context:], device=device))[None]
+    cache, mask = workspace.cache(context), attention_mask(active, n, hidden.dtype)
+    layers = len(decoder.layers)
+    read = torch.zeros(context, device=device)
+    for index, layer in enumerate(decoder.layers):
+        cos, sin = decoder.rotary_emb(hidden, active[None])
+        if config.lookahead_layers == "all" or index >= layers // 2:
+            weights = question_attention(family, layer, hidden, cos, sin, workspace.keys[index][:, :, :context]).float()
+            read += weights.sum(dim=(0, 1)) if config.lookahead_heads == "sum" else weights.amax(dim=(0, 1))
+        if index < layers - 1:
+            hidden = layer(hidden, attention_mask=mask, position_ids=active[None], cache=cache,
+                           position_embeddings=(cos, sin))
+    return read
+
+
 class Selection:
     """Which passage tokens go on past each check layer: the question always does, and the block sinks;
-    of the passage tokens, those `config.select` names, as many as the share (fixed, or `auto`'s)."""
+    of the passage tokens, those `config.select` names, as many as the share (fixed, or `auto`'s).
+    "lookahead" chooses once, before the pass (`ahead`), and has no check layers."""
 
     def __init__(self, config: BlendConfig, first: int, context: int, block_starts: list[int], device, auto: bool):
         self.config, self.first, self.context, self.auto = config, first, context, auto
         self.sinks = sink_positions(block_starts, config.sink_tokens, context, device)
+        self.starts = block_starts
+        self.checks = () if config.select == "lookahead" else config.check_layers
         self.share = None  # auto's, once the first check layer has measured it
+
+    def ahead(self, read: torch.Tensor) -> torch.Tensor:
+        """The passage positions (sorted, with the sinks) that lookahead recomputes, from the attention `read`
+        paid to each position before the question: the share of the most read, of each passage where
+        `config.per_passage`, else of all."""
+        config, first, context = self.config, self.first, self.context
+        mass = read[first:context]
+        if not len(mass):
+            return self.sinks
+        share = covering_share(mass, config.coverage, config.least, config.most, len(mass)) if self.auto \
+            else config.recompute_ratio
+        bounds = sorted({first, context, *(s for s in self.starts if first < s < context)}) if config.per_passage \
+            else [first, context]
+        chosen = [start + mass[start - first:end - first].topk(round(share * (end - start))).indices
+                  for start, end in zip(bounds, bounds[1:])]
+        return torch.cat([*chosen, self.sinks]).unique()
 
     def survivors(self, family, layer, index, hidden, cos, sin, active, workspace) -> torch.Tensor:
         config = self.config
@@ -183,7 +245,7 @@ class Selection:
         tokens = active[passage]
         if config.select == "attention":
             score = question_attention(family, layer, hidden[:, question], cos[:, question], sin[:, question],
-                                       workspace.keys[index][:, :, :self.context])[tokens]
+                                       workspace.keys[index][:, :, :self.context]).sum(dim=(0, 1))[tokens]
         else:
             fresh = config.compared(*fresh_kv(family, layer, hidden[:, passage], cos[:, passage], sin[:, passage]))
             cached = config.compared(workspace.keys, workspace.values)[index][:, :, tokens]

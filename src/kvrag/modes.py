@@ -8,7 +8,8 @@ in what is reused:
   prefix     prefix caching: reuse the longest run of leading blocks whose exact causal KV was
              computed before in the same order, prefill the rest
   blend      block mode plus CacheBlend: recompute, with the question, the passage tokens whose KV
-             deviates most in context, restoring cross-passage attention (see blend.py)
+             deviates most in context (or, "lookahead", that block mode's question pass reads most),
+             restoring cross-passage attention (see blend.py)
   auto       blend whose share follows the request: the fewest passage tokens that hold most of the
              deviation (BlendConfig.coverage), so that no share needs tuning
 
@@ -90,6 +91,8 @@ def blend(blocks: Blocks, prompt: Prompt, keys, ws: Workspace, keep: int, config
                                            auto)
     reused = int(stored.sum() - stored[recomputed.cpu()].sum())
     computed = int((~stored).sum()) + len(recomputed) + len(prompt.question)
+    if config.select == "lookahead":  # its first stage ran the question too
+        computed += len(prompt.question)
     return Prefill(logits, ws.cache(len(prompt)), len(prompt), computed, reused, hits, ws)
 
 
