@@ -3,6 +3,7 @@
 command's argument checks: test_cli.py.)"""
 
 import json
+import math
 import statistics
 from dataclasses import asdict, replace
 
@@ -10,10 +11,11 @@ import pytest
 
 from kvrag import KVRagError
 from kvrag.app.cli import main
-from kvrag.eval.accuracy import (METHODS, RUNNERS, Record, adapter_effect, against_full, check_methods, curve_plot,
-                                 curve_table, evaluate, flops_generation, format_against_full, format_table,
-                                 paired_interval, plot, points, pooled_against_full, read_results, summarize,
-                                 weights_table)
+from kvrag.decode import TOP_LOGPROBS
+from kvrag.eval.accuracy import (METHODS, MODE_METHODS, RUNNERS, Record, adapter_effect, against_full, check_methods,
+                                 curve_plot, curve_table, evaluate, first_token_kl, flops_generation, format_against_full,
+                                 format_table, paired_interval, plot, points, pooled_against_full, read_results,
+                                 summarize, weights_table)
 from kvrag.eval.ttft import flops_to_first_token, layer_flops
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -30,6 +32,16 @@ def test_every_method_answers_every_question(engine, examples, tmp_path):
         assert by["block", e.id].prompt_tokens == by["full", e.id].prompt_tokens
         assert by["map_rerank", e.id].prompt_tokens > by["full", e.id].prompt_tokens
         assert by["block", e.id].flops < by["blend", e.id].flops < by["full", e.id].flops < by["map_rerank", e.id].flops
+    for r in records:  # what agreement with full reads: the first token and its distribution (the modes' only)
+        if r.method in MODE_METHODS:
+            ids, logprobs = r.first_logprobs
+            assert len(ids) == len(logprobs) == TOP_LOGPROBS and logprobs == sorted(logprobs, reverse=True)
+            assert r.first_token in (None, ids[0])  # greedy: the likeliest, unless it ended the answer at once
+        else:
+            assert r.first_token is None and r.first_logprobs is None
+    assert any(r.first_token is not None for r in records)
+    _, kept = read_results(tmp_path / "r.jsonl")  # the file gives them back as they were
+    assert sorted(kept, key=lambda r: (r.method, r.id)) == sorted(records, key=lambda r: (r.method, r.id))
 
 
 def test_blend_at_a_share_runs_from_block_to_full(engine, examples, tmp_path):
@@ -45,6 +57,11 @@ def test_blend_at_a_share_runs_from_block_to_full(engine, examples, tmp_path):
     rows = [line.split(" | ")[2:4] for line in curve_table([tmp_path / "c.jsonl"]).splitlines()[2:]]
     assert rows == [["full", "1"], ["block", "0"], ["blend@0", "0"], ["blend@0.3", "0.3"], ["blend@1", "1"]]
     assert curve_plot([tmp_path / "c.jsonl"], tmp_path / "c.png").read_bytes()[:8] == PNG
+    rows = {row["method"]: row for row in summarize(records)}  # blend@1 is full up to rounding: it agrees with it
+    assert (rows["blend@1"]["agree"], rows["blend@1"]["first"]) == (1.0, 1.0)
+    assert rows["blend@1"]["kl"] == pytest.approx(0, abs=1e-4)
+    assert (rows["full"]["agree"], rows["full"]["first"], rows["full"]["kl"]) == (None, None, None)  # not against itself
+    assert curve_table([tmp_path / "c.jsonl"]).splitlines()[-1].split(" | ")[6] == "100.0 ± 0.0"  # blend@1 = full
     for bad in ("blend@1.5", "blend@", "blend@-0.1", "blend@x"):
         with pytest.raises(ValueError, match="blend@R"):
             check_methods([bad])
@@ -136,9 +153,11 @@ def test_summary_counts_by_type_and_against_full():
     assert full["accuracy"] == 0.75 and full["ttft"] == 2.0 and full["total_time"] == 4.0
     assert block["accuracy"] == 0.5 and block["f1"] == 0.5 and block["speedup"] == pytest.approx(20.0)
     table = format_table([full, block]).splitlines()
-    assert table[0].startswith("| method | n | single | bridge | comparison | unanswerable | average | F1 | TTFT ms")
-    assert table[2] == "| full | 4 | 100.0 | 0.0 | 100.0 | - | 75.0 | 50.0 | 2000 | 4.00 | 1.0x | 1.0 |"
-    assert table[3].startswith("| block | 2 | 0.0 | 100.0 | - | - | 50.0 | 50.0 | 100 | 0.20 | 20.0x |")
+    assert table[0].startswith("| method | n | single | bridge | comparison | unanswerable | average | F1 | = full | "
+                               "1st tok = full | KL | TTFT ms")
+    assert table[2] == "| full | 4 | 100.0 | 0.0 | 100.0 | - | 75.0 | 50.0 | - | - | - | 2000 | 4.00 | 1.0x | 1.0 |"
+    # the block answers are to other questions than full's: no agreement to measure
+    assert table[3].startswith("| block | 2 | 0.0 | 100.0 | - | - | 50.0 | 50.0 | - | - | - | 100 | 0.20 | 20.0x |")
 
 
 def test_gap_to_full_is_paired_per_question_with_an_interval():
@@ -148,7 +167,8 @@ def test_gap_to_full_is_paired_per_question_with_an_interval():
     (layout, block, n, diff, half), (_, blend, _, blend_diff, _) = against_full(records)
     assert (layout, block, n, diff, blend, blend_diff) == ("kvrag", "block", 4, -0.5, "blend", 0.25)
     assert half == pytest.approx(1.96 * (1 / 3) ** 0.5 / 2)  # differences -1, -1, 0, 0: sample sd sqrt(1/3)
-    assert format_against_full(records).splitlines()[0] == "block - full: -50.0 ± 56.6 points (95% interval, 4 paired questions)"
+    assert format_against_full(records).splitlines()[0] == (
+        "block - full: -50.0 ± 56.6 points (95% interval, 4 paired questions); the same answer as full: 100.0 ± 0.0%")
     assert format_against_full([r for r in records if r.method != "full"]) == ""
 
 
@@ -171,8 +191,51 @@ def test_several_layouts_pool_against_full_counting_each_question_once():
     assert (method, layouts, n, diff) == ("block", 2, 2, -0.75)  # q0 -1, q1 -0.5
     assert half == pytest.approx(1.96 * statistics.stdev([-1, -0.5]) / 2 ** 0.5)
     assert format_against_full(records).splitlines()[-1] == (
-        f"[pooled, 2 layouts] block - full: -75.0 ± {100 * half:.1f} points (95% interval, 2 paired questions, each counted once)")
+        f"[pooled, 2 layouts] block - full: -75.0 ± {100 * half:.1f} points (95% interval, 2 paired questions, each counted "
+        "once); the same answer as full: 100.0 ± 0.0%")
     assert pooled_against_full([r for r in records if r.layout == "kvrag"]) == []  # one layout: nothing to pool
+
+
+def test_agreement_with_full_is_the_same_normalised_answer_each_question_counted_once_over_layouts():
+    outputs = {("kvrag", "q0"): ("Paris.", "  paris "), ("kvrag", "q1"): ("Paris", "Lyon"),  # (full's, block's)
+               ("numbered", "q0"): ("The Eiffel  Tower!", "eiffel tower"), ("numbered", "q1"): ("Paris", "PARIS"),
+               ("numbered", "q2"): ("Paris", "Paris")}  # asked in one layout only: not pooled
+    records = [replace(_record(m, "single", True, 1.0), layout=layout, id=i, output=out)
+               for (layout, i), outs in outputs.items() for m, out in zip(("full", "block"), outs)]
+    rows = summarize(records)
+    assert [(row["layout"], row["method"], row["agree"]) for row in rows] == [
+        ("kvrag", "full", None), ("kvrag", "block", 0.5), ("numbered", "full", None), ("numbered", "block", 1.0)]
+    diff, half = paired_interval([1.0, 0.5])  # q0 agrees in both layouts, q1 in one
+    lines = format_against_full(records).splitlines()
+    assert lines[0].endswith("; the same answer as full: 50.0 ± 98.0%")
+    assert lines[-1].endswith(f"(95% interval, 2 paired questions, each counted once); the same answer as full: "
+                              f"75.0 ± {100 * half:.1f}%")
+    assert format_table(rows).splitlines()[3].startswith("| kvrag | block | 2 | 100.0 | - | - | - | 100.0 | 50.0 | 50.0 | - | - |")
+
+
+def test_the_first_token_share_counts_only_records_that_kept_it():
+    records = [replace(_record(m, "single", True, 1.0), id=i, first_token=token) for m, i, token in [
+        ("full", "q0", 5), ("block", "q0", 5), ("full", "q1", 5), ("block", "q1", 6),
+        ("full", "q2", 5), ("block", "q2", None),  # written before the field: left out
+        ("full", "q3", None), ("block", "q3", None)]]
+    full, block = summarize(records)
+    assert (full["first"], block["first"], block["kl"]) == (None, 0.5, None)
+    old = [replace(r, first_token=None) for r in records]
+    assert summarize(old)[1]["first"] is None and format_table(summarize(old)).splitlines()[3].split(" | ")[9:11] == ["-", "-"]
+
+
+def test_the_first_tokens_kl_is_zero_for_the_same_distribution_and_grows_apart():
+    log = math.log
+    full = [[1, 2, 3], [log(0.7), log(0.2), log(0.1)]]
+    assert first_token_kl(full, full) == 0
+    assert first_token_kl(full, [[1, 2, 3], [log(0.4), log(0.4), log(0.2)]]) > 0
+    # a token missing from the other's top is taken at its least kept log-probability: 2 at 0.3 here
+    other = [[1, 3], [log(0.5), log(0.3)]]
+    expected = 0.7 * log(0.7 / 0.5) + 0.2 * log(0.2 / 0.3) + 0.1 * log(0.1 / 0.3)
+    assert first_token_kl(full, other) == pytest.approx(expected)
+    records = [replace(_record(m, "single", True, 1.0), first_logprobs=top) for m, top in (("full", full), ("blend", other))]
+    assert summarize(records)[1]["kl"] == pytest.approx(expected)
+    assert format_table(summarize(records)).splitlines()[3].split(" | ")[10] == f"{expected:.3f}"
 
 
 def test_plot_writes_a_png(tmp_path):
@@ -201,12 +264,13 @@ def test_bench_accuracy_smoke_on_the_default_model(kvrag_home, tmp_path, capsys)
     for row in rows:
         cells = row.strip("| ").split(" | ")
         assert cells[1] == "4"
-        for value in cells[2:8]:  # accuracy per type, average, F1
+        for value in cells[2:10]:  # accuracy per type, average, F1, answers and first tokens the same as full's
             assert value == "-" or 0.0 <= float(value) <= 100.0
-        assert float(cells[8]) > 0  # TTFT ms
+        assert (cells[8] == "-") == (row.startswith("| full |"))  # every other method answers the same questions
+        assert float(cells[11]) > 0  # TTFT ms
     gaps = [line for line in out.splitlines() if " - full: " in line]
     assert [line.split(" - full: ")[0] for line in gaps] == [m for m in METHODS if m != "full"]
-    assert all(line.endswith("(95% interval, 4 paired questions)") for line in gaps)
+    assert all("(95% interval, 4 paired questions); the same answer as full: " in line for line in gaps)
     assert png.read_bytes()[:8] == PNG
     records = [json.loads(line) for line in results.read_text().splitlines()[1:]]
     assert len(records) == 4 * len(METHODS)
@@ -277,14 +341,16 @@ def test_bench_accuracy_compares_modes_on_the_same_weights_on_the_default_model(
         assert (tmp_path / f"curve-{name}.png").read_bytes().startswith(PNG)
 
 
-def write_results(path, weights, corpus, answers, causal=None):
-    """A results file of one weight set: `answers` maps (layout, method, id) to right or wrong."""
+def write_results(path, weights, corpus, answers, causal=None, old=False):
+    """A results file of one weight set: `answers` maps (layout, method, id) to right or wrong, the output
+    "a" if right, else "b"; `old`: its records lack the fields added since (first_token, first_logprobs)."""
     settings = {"model": weights, "weights": weights, "dataset": {} if corpus == "generated" else {"corpus": corpus}}
     if causal:
         settings["causal_model"] = causal
     lines = [json.dumps({"settings": settings})]
     for (layout, method, qid), right in answers.items():
-        lines.append(json.dumps(asdict(Record(method, qid, "single", "q?", "a", right, 0.0, 0.1, 0.2, 1.0, 10, layout))))
+        record = asdict(Record(method, qid, "single", "q?", "a" if right else "b", right, 0.0, 0.1, 0.2, 1.0, 10, layout))
+        lines.append(json.dumps({k: v for k, v in record.items() if not (old and k.startswith("first_"))}))
     path.write_text("\n".join(lines) + "\n")
     return path
 
@@ -296,11 +362,16 @@ def test_the_same_weights_table_pairs_each_mode_with_full_per_question(tmp_path)
     adapter = {(layout, m, i): k < 6 for layout in ("kvrag", "numbered") for m in ("full", "block", "blend")
                for k, i in enumerate(ids)}
     paths = [write_results(tmp_path / "p.jsonl", "published", "squad", published),
-             write_results(tmp_path / "a.jsonl", "adapter", "squad", adapter)]
+             write_results(tmp_path / "a.jsonl", "adapter", "squad", adapter, old=True)]  # a file from before first_token
     table = weights_table(paths).splitlines()
-    assert table[2] == "| published weights | SQuAD | 8 | 50.0 | 25.0 | 37.5 | −25.0 ± 32.1 | −12.5 ± 24.5 |"
-    assert table[3:] == [f"| shipped adapter | SQuAD, {where} | 8 | 75.0 | 75.0 | 75.0 | +0.0 ± 0.0 | +0.0 ± 0.0 |"
-                         for where in ("`kvrag`", "`numbered`", "2 layouts pooled")]
+    assert table[0] == ("| weights | corpus | questions | full | block | blend | block − full | blend − full | "
+                        "block = full % | blend = full % |")
+    # block answers as full on 6 of 8 questions (right on q0-q1, wrong on q4-q7), blend on 7
+    assert table[2] == ("| published weights | SQuAD | 8 | 50.0 | 25.0 | 37.5 | −25.0 ± 32.1 | −12.5 ± 24.5 | "
+                        "75.0 ± 32.1 | 87.5 ± 24.5 |")
+    assert table[3:] == [f"| shipped adapter | SQuAD, {where} | 8 | 75.0 | 75.0 | 75.0 | +0.0 ± 0.0 | +0.0 ± 0.0 | "
+                         "100.0 ± 0.0 | 100.0 ± 0.0 |" for where in ("`kvrag`", "`numbered`", "2 layouts pooled")]
+    assert all(r.first_token is None and r.first_logprobs is None for r in read_results(paths[1])[1])
     [effect] = adapter_effect(paths)
     assert effect.startswith("SQuAD: the adapter's full mode − the published weights' full mode +25.0 ± ")
     assert "(8 questions; across weights)" in effect

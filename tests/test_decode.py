@@ -1,6 +1,8 @@
 """The token loop: streaming, generation options, stop strings and the context window's end, on a tiny random model."""
 
-from kvrag.decode import TextTracker
+import math
+
+from kvrag.decode import TOP_LOGPROBS, TextTracker
 
 TEXTS = ["Ilsa Brandt built the lighthouse of Varnholm in 1873.", "The river Olm freezes every winter."]
 QUESTION = "Who built the lighthouse?"
@@ -34,6 +36,20 @@ def test_sampling_is_seeded(make_engine):
     assert len(others | {tuple(greedy.token_ids)}) > 1
     top1 = engine.generate(QUESTION, TEXTS, max_new_tokens=12, temperature=1.5, top_k=1, seed=9)
     assert top1.token_ids == greedy.token_ids  # top-k 1 is greedy whatever the temperature
+
+
+def test_the_first_tokens_distribution_is_kept_before_temperature(make_engine):
+    """Its top log-probabilities, for comparing modes (kvrag.eval.accuracy): the greedy token first, the same
+    whatever the temperature, whether the first token comes from the prefill (full) or the scheduler's step (block)."""
+    engine = make_engine()
+    engine.eos_ids = set()
+    for mode in ("full", "block"):
+        greedy = engine.generate(QUESTION, TEXTS, mode=mode, max_new_tokens=3)
+        ids, logprobs = list(greedy.first_logprobs), list(greedy.first_logprobs.values())
+        assert len(ids) == TOP_LOGPROBS and ids[0] == greedy.token_ids[0] and logprobs == sorted(logprobs, reverse=True)
+        assert math.log(1 / len(engine.tokenizer)) - 1e-6 <= logprobs[0] <= 0  # the likeliest: at least uniform's
+        hot = engine.generate(QUESTION, TEXTS, mode=mode, max_new_tokens=3, temperature=1.5, seed=3)
+        assert hot.first_logprobs == greedy.first_logprobs
 
 
 def test_stop_strings_are_never_streamed(tok):

@@ -11,6 +11,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+TOP_LOGPROBS = 20
+"""How many of the first token's log-probabilities a result keeps (`GenerationResult.first_logprobs`)."""
+
 
 @dataclass
 class GenerationResult:
@@ -26,6 +29,9 @@ class GenerationResult:
     reused_tokens: int
     cache_hits: dict[str, int] = field(default_factory=dict)
     finish_reason: str = "stop"
+    first_logprobs: dict[int, float] | None = None
+    """The first token's TOP_LOGPROBS likeliest ids and their log-probabilities, most likely first, before any
+    temperature: what comparing two modes' first-token distributions needs (kvrag.eval.accuracy's KL)."""
 
     @property
     def generated_tokens(self) -> int:
@@ -57,6 +63,12 @@ class Sampler:
             sorted_probs[outside] = 0
             probs = torch.zeros_like(probs).scatter(0, order, sorted_probs)
         return int(torch.multinomial(probs, 1, generator=self.generator))
+
+
+def top_logprobs(logits: torch.Tensor, k: int = TOP_LOGPROBS) -> dict[int, float]:
+    """The `k` likeliest next ids and their log-probabilities, most likely first, of logits as the sampler sees them."""
+    top = torch.topk(logits.float().log_softmax(-1), min(k, logits.numel()))
+    return dict(zip(top.indices.tolist(), top.values.tolist()))
 
 
 class TextTracker:
@@ -238,7 +250,7 @@ class Generation:
         self.model = prefiller.model_for(self.mode)
         self.cache, self.position = self.state.cache, self.state.next_position
         self.tracker = TextTracker(prefiller.tokenizer, self.stops)
-        self.ttft, self.steps = None, 0
+        self.ttft, self.steps, self.first_logprobs = None, 0, None
         if self.state.logits is None:  # the question runs with the next step's tokens
             self.run = list(self.prompt.question)
         else:
@@ -250,6 +262,7 @@ class Generation:
         self.steps += 1
         if self.ttft is None:
             self.ttft = time.perf_counter() - self.start
+            self.first_logprobs = top_logprobs(logits)  # after the TTFT: one top-k over the vocabulary per request
         if token in self.prefiller.eos_ids:
             return self.finish("stop")
         delta = self.tracker.push(token)
@@ -285,6 +298,7 @@ class Generation:
             reused_tokens=state.reused_tokens,
             cache_hits=state.cache_hits,
             finish_reason=reason,
+            first_logprobs=self.first_logprobs,
         ))
 
     def fail(self, error: BaseException | None) -> None:

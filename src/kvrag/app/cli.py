@@ -531,7 +531,8 @@ def cmd_bench_accuracy(args):
             base = Path(args.plot or curves[0])
             print(f"curve plot: {curve_plot(curves, base.with_name(f'{base.stem}-curve.png'))}")
     if paths:
-        print("\nThe cost of block attention on the same weights (accuracy in %, paired 95% intervals):")
+        print("\nThe cost of block attention on the same weights (accuracy and answers the same as full's in %, "
+              "paired 95% intervals):")
         print(weights_table(paths))
         for line in adapter_effect(paths):
             print(line)

@@ -24,7 +24,7 @@ from kvrag.modes import CAUSAL_MODES
 
 from .data import QUESTION_TYPES, QAExample
 from .layouts import LAYOUTS, OWN, check_layouts
-from .metrics import answer_in_output, token_f1
+from .metrics import answer_in_output, normalize, token_f1
 from .ttft import flops_blend, flops_to_first_token, layer_flops
 
 METHODS = ("full", "map_reduce", "map_rerank", "block", "blend", "composite")
@@ -50,6 +50,8 @@ class Record:
     layout: str = OWN  # the prompt layout (kvrag.eval.layouts) the question was asked in
     concurrency: int = 1  # questions in flight when it was answered: its timings are one user's only at 1
     recomputed: float | None = None  # share of the tokens before the question computed (modes only)
+    first_token: int | None = None  # the first generated id (modes only; None in files written before it was kept)
+    first_logprobs: list[list] | None = None  # the first token's top ids and log-probabilities: [ids, logprobs]
 
 
 @dataclass
@@ -60,6 +62,8 @@ class Answer:
     flops: float
     prompt_tokens: int
     recomputed: float | None = None
+    first_token: int | None = None
+    first_logprobs: list[list] | None = None
 
 
 def flops_generation(config, prompt_tokens: int, generated: int) -> float:
@@ -97,7 +101,9 @@ def _mode(mode: str, blend: BlendConfig | None = None, ratio: float | None = Non
             else:
                 flops = flops_to_first_token(config, r.prefilled_tokens, r.prompt_tokens - r.prefilled_tokens)
             share = 1 - r.reused_tokens / max(r.prompt_tokens - question, 1)
-            return Answer(r.text.strip(), r.ttft, r.total_time, flops, r.prompt_tokens, share)
+            top = None if r.first_logprobs is None else [list(r.first_logprobs), list(r.first_logprobs.values())]
+            return Answer(r.text.strip(), r.ttft, r.total_time, flops, r.prompt_tokens, share,
+                          r.token_ids[0] if r.token_ids else None, top)
 
         answer.cancel = stream.cancel
         return answer
@@ -251,7 +257,8 @@ def evaluate(
         example, layout, method = jobs[k]
         correct = answer_in_output(a.text, example.answers, example.wrong)
         record = Record(method, example.id, example.type, example.question, a.text, correct, token_f1(a.text, example.answers),
-                        a.ttft, a.total_time, a.flops, a.prompt_tokens, layout, concurrency, a.recomputed)
+                        a.ttft, a.total_time, a.flops, a.prompt_tokens, layout, concurrency, a.recomputed,
+                        a.first_token, a.first_logprobs)
         if path:
             with path.open("a", encoding="utf-8") as f:
                 f.write(json.dumps(asdict(record)) + "\n")
@@ -294,8 +301,9 @@ def evaluate(
 
 def summarize(records: Sequence[Record]) -> list[dict]:
     """A row per layout and method (in first-seen order): accuracy per question type and on average,
-    F1, median TTFT and total time, mean FLOPs to first token, and the TTFT speed-up over `full` in
-    the same layout where it ran."""
+    F1, median TTFT and total time, mean FLOPs to first token, the TTFT speed-up over `full` in
+    the same layout where it ran, and, against full's answers there to the same questions (None for full,
+    and where full did not run or the records predate what a measure reads), `AGAINST_FULL`'s measures."""
     by_run: dict[tuple[str, str], list[Record]] = {}
     for r in records:
         by_run.setdefault((r.layout, r.method), []).append(r)
@@ -314,7 +322,15 @@ def summarize(records: Sequence[Record]) -> list[dict]:
     full = {row["layout"]: row["ttft"] for row in rows if row["method"] == "full"}
     for row in rows:
         row["speedup"] = full[row["layout"]] / row["ttft"] if row["layout"] in full else None
+        same = _in(records, row["layout"])
+        for name, measure in AGAINST_FULL.items():
+            values = [] if row["method"] == "full" else _per_question(same, row["method"], measure)
+            row[name] = statistics.fmean(values) if values else None
     return rows
+
+
+def _in(records: Sequence[Record], layout: str) -> list[Record]:
+    return [r for r in records if r.layout == layout]
 
 
 def against_full(records: Sequence[Record]) -> list[tuple[str, str, int, float, float]]:
@@ -322,19 +338,22 @@ def against_full(records: Sequence[Record]) -> list[tuple[str, str, int, float, 
     half-width of its 95% interval: (layout, method, questions, difference, half-width). Paired per
     question (normal approximation), because a few hundred questions leave a gap of a few points
     inside the noise."""
-    full = {(r.layout, r.id): r.correct for r in records if r.method == "full"}
-    by_run: dict[tuple[str, str], list[int]] = {}
-    for r in records:
-        if r.method != "full" and (r.layout, r.id) in full:
-            by_run.setdefault((r.layout, r.method), []).append(int(r.correct) - int(full[r.layout, r.id]))
-    return [(layout, method, len(diffs), *paired_interval(diffs)) for (layout, method), diffs in by_run.items()]
+    gaps = []
+    for layout in dict.fromkeys(r.layout for r in records):
+        same = _in(records, layout)
+        for method in dict.fromkeys(r.method for r in same if r.method != "full"):
+            n, diff, half = _clustered(same, method)
+            if n:
+                gaps.append((layout, method, n, diff, half))
+    return gaps
 
 
 def paired_interval(diffs: Sequence[float]) -> tuple[float, float]:
     """The mean of paired differences and the half-width of its 95% interval (normal approximation).
 
     One difference per question: where several layouts ask the same question, pass each question's
-    mean difference over them (clustered), since its answers are not independent."""
+    mean difference over them (clustered), since its answers are not independent. A share of the same
+    questions (answers that agree, 1 or 0 each) is the mean of its values, so it takes its interval here too."""
     half = 1.96 * statistics.stdev(diffs) / len(diffs) ** 0.5 if len(diffs) > 1 else math.inf
     return statistics.fmean(diffs), half
 
@@ -344,45 +363,118 @@ def points(diff: float, half: float) -> str:
     return f"{100 * diff:+.1f} ± {100 * half:.1f}".replace("-", "−")
 
 
+def percent(share: float, half: float) -> str:
+    """A share and its half-width in %, as the docs' tables print them: "42.0 ± 6.1"."""
+    return f"{100 * share:.1f} ± {100 * half:.1f}"
+
+
+def same_answer(output: str, full: str) -> bool:
+    """Whether two answers are the same words, normalised as answers are for gold ones (kvrag.eval.metrics:
+    case, punctuation, articles and spacing aside)."""
+    return normalize(output) == normalize(full)
+
+
+def first_token_kl(full: Sequence[Sequence], other: Sequence[Sequence]) -> float:
+    """KL(full ‖ other) of the first token's distribution, in nats, from the [ids, log-probabilities] of the
+    likeliest tokens each record keeps (kvrag.decode.TOP_LOGPROBS). Summed over full's kept tokens; one
+    missing from `other`'s is taken at `other`'s least kept log-probability, the most it can have, so its
+    term is at most its true value and the sum is a lower bound of those tokens' terms. The mass outside
+    full's kept tokens is left out: an estimate, 0 for the same distributions, not the exact KL."""
+    theirs = dict(zip(*other))
+    floor = min(theirs.values())
+    return sum(math.exp(logprob) * (logprob - theirs.get(t, floor)) for t, logprob in zip(*full))
+
+
+def _gap(record: Record, full: Record) -> int:
+    return int(record.correct) - int(full.correct)
+
+
+def _agrees(record: Record, full: Record) -> int:
+    return int(same_answer(record.output, full.output))
+
+
+def _same_first(record: Record, full: Record) -> int | None:
+    if record.first_token is None or full.first_token is None:  # a record written before the field, or no token
+        return None
+    return int(record.first_token == full.first_token)
+
+
+def _kl(record: Record, full: Record) -> float | None:
+    if record.first_logprobs is None or full.first_logprobs is None:
+        return None
+    return first_token_kl(full.first_logprobs, record.first_logprobs)
+
+
+AGAINST_FULL = {"agree": _agrees, "first": _same_first, "kl": _kl}
+"""Measures of a method's answer against full's to the same question on the same weights, needing no gold
+answer: the same answer once normalised, the same first token, the first token's KL(full ‖ method)."""
+
+
+def _per_question(records: Sequence[Record], method: str, measure: Callable = _gap) -> list[float]:
+    """`measure(method's record, full's)` per question, its mean over the layouts, for the questions every layout
+    answered in both: the layouts ask the same questions, so a question counts once. Pairs the measure cannot
+    judge (None) are left out, and a question with none."""
+    by = {(r.layout, r.method, r.id): r for r in records}
+    layouts = list(dict.fromkeys(r.layout for r in records))
+    values = []
+    for i in dict.fromkeys(r.id for r in records):
+        if all((layout, m, i) in by for layout in layouts for m in (method, "full")):
+            judged = [v for layout in layouts if (v := measure(by[layout, method, i], by[layout, "full", i])) is not None]
+            if judged:
+                values.append(statistics.fmean(judged))
+    return values
+
+
+def _clustered(records: Sequence[Record], method: str, measure: Callable = _gap) -> tuple[int, float, float]:
+    """(questions, mean, half-width) of `measure` of `method` against full (default: its accuracy − full's)
+    per question as `_per_question` pools them over the layouts; (0, nan, nan) where none."""
+    values = _per_question(records, method, measure)
+    return (len(values), *paired_interval(values)) if values else (0, math.nan, math.nan)
+
+
 def pooled_against_full(records: Sequence[Record]) -> list[tuple[str, int, int, float, float]]:
     """Each method against full over every layout, clustered by question: (method, layouts, questions,
     difference, half-width). A question counts once, with its mean difference over the layouts, since
     the layouts ask the same questions; only questions that every layout answered in both modes."""
-    right = {(r.layout, r.method, r.id): int(r.correct) for r in records}
-    layouts = list(dict.fromkeys(r.layout for r in records))
-    if len(layouts) < 2:
+    layouts = len({r.layout for r in records})
+    if layouts < 2:
         return []
-    questions = list(dict.fromkeys(r.id for r in records))
     pooled = []
     for method in dict.fromkeys(r.method for r in records if r.method != "full"):
-        ids = [i for i in questions if all((layout, m, i) in right for layout in layouts for m in (method, "full"))]
-        if ids:
-            diffs = [statistics.fmean(right[layout, method, i] - right[layout, "full", i] for layout in layouts) for i in ids]
-            pooled.append((method, len(layouts), len(ids), *paired_interval(diffs)))
+        n, diff, half = _clustered(records, method)
+        if n:
+            pooled.append((method, layouts, n, diff, half))
     return pooled
 
 
 def format_against_full(records: Sequence[Record]) -> str:
     """`against_full` as lines of text, in points (the layout named where it is not kvrag's own), then
-    `pooled_against_full` where there are several layouts."""
+    `pooled_against_full` where there are several layouts; each with the share of answers the same as full's."""
+    def same(records: Sequence[Record], method: str) -> str:
+        return percent(*_clustered(records, method, _agrees)[1:])
+
     lines = [f"{'' if layout == OWN else f'[{layout}] '}{method} - full: {100 * diff:+.1f} ± {100 * half:.1f} "
-             f"points (95% interval, {n} paired questions)" for layout, method, n, diff, half in against_full(records)]
+             f"points (95% interval, {n} paired questions); the same answer as full: {same(_in(records, layout), method)}%"
+             for layout, method, n, diff, half in against_full(records)]
     lines += [f"[pooled, {k} layouts] {method} - full: {100 * diff:+.1f} ± {100 * half:.1f} points (95% interval, "
-              f"{n} paired questions, each counted once)" for method, k, n, diff, half in pooled_against_full(records)]
+              f"{n} paired questions, each counted once); the same answer as full: {same(records, method)}%"
+              for method, k, n, diff, half in pooled_against_full(records)]
     return "\n".join(lines)
 
 
 def format_table(rows: Sequence[dict]) -> str:
-    """The summary as a Markdown table (accuracy in %, TTFT in ms), with a prompt-layout column when
-    any row is in another layout than kvrag's own."""
+    """The summary as a Markdown table (accuracy and agreement with full in %, TTFT in ms), with a prompt-layout
+    column when any row is in another layout than kvrag's own; "-" where a value is not computable."""
     pct = lambda v: "-" if v is None else f"{100 * v:.1f}"  # noqa: E731
     layouts = any(row.get("layout", OWN) != OWN for row in rows)
-    head = ["method", "n", *QUESTION_TYPES, "average", "F1", "TTFT ms", "total s", "TTFT vs full", "GFLOPs to 1st token"]
+    head = ["method", "n", *QUESTION_TYPES, "average", "F1", "= full", "1st tok = full", "KL", "TTFT ms", "total s",
+            "TTFT vs full", "GFLOPs to 1st token"]
     head = ["prompt", *head] if layouts else head
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in rows:
         cells = [row["method"], str(row["questions"]), *(pct(row[k]) for k in QUESTION_TYPES), pct(row["accuracy"]),
-                 pct(row["f1"]), f"{row['ttft'] * 1e3:.0f}", f"{row['total_time']:.2f}",
+                 pct(row["f1"]), pct(row["agree"]), pct(row["first"]), "-" if row["kl"] is None else f"{row['kl']:.3f}",
+                 f"{row['ttft'] * 1e3:.0f}", f"{row['total_time']:.2f}",
                  "-" if row["speedup"] is None else f"{row['speedup']:.1f}x", f"{row['flops'] / 1e9:.1f}"]
         cells = [row.get("layout", OWN), *cells] if layouts else cells
         lines.append("| " + " | ".join(cells) + " |")
@@ -455,21 +547,11 @@ def _corpus(settings: dict) -> str:
     return settings.get("dataset", {}).get("corpus", "generated")
 
 
-def _clustered(records: Sequence[Record], method: str) -> tuple[int, float, float]:
-    """(questions, mean, half-width) of `method` − full over the questions every layout answered in both,
-    a question counted once with its mean difference over the layouts (they ask the same questions)."""
-    right = {(r.layout, r.method, r.id): int(r.correct) for r in records}
-    layouts = list(dict.fromkeys(r.layout for r in records))
-    ids = [i for i in dict.fromkeys(r.id for r in records)
-           if all((layout, m, i) in right for layout in layouts for m in (method, "full"))]
-    diffs = [statistics.fmean(right[layout, method, i] - right[layout, "full", i] for layout in layouts) for i in ids]
-    return (len(ids), *paired_interval(diffs)) if ids else (0, math.nan, math.nan)
-
-
 def weights_rows(paths: Sequence[str | Path]) -> list[dict]:
     """Rows of results files (each one weight set on one corpus): accuracy of full and of each COMPARED
-    method answered, and their cost against full on the same weights, paired per question. A file asked in
-    several prompt layouts gives a row per layout, then one pooled over them (each question counted once)."""
+    method answered, their cost against full on the same weights, paired per question, and the share of
+    their answers the same as full's. A file asked in several prompt layouts gives a row per layout, then one
+    pooled over them (each question counted once)."""
     rows = []
     for path in paths:
         settings, records = read_results(path)
@@ -485,24 +567,26 @@ def weights_rows(paths: Sequence[str | Path]) -> list[dict]:
                 row[method] = sum(answers) / len(answers) if answers else math.nan
                 if method != "full":
                     row[f"{method}-full"] = _clustered(chosen, method)[1:]
+                    row[f"{method}=full"] = _clustered(chosen, method, _agrees)[1:]
             rows.append(row)
     return rows
 
 
 def weights_table(paths: Sequence[str | Path]) -> str:
-    """`weights_rows` as the Markdown table the README and docs/accuracy.md show (accuracy in %), with a
-    column for each COMPARED method the files answered."""
+    """`weights_rows` as the Markdown table the README and docs/accuracy.md show (accuracy in %), with
+    columns for each COMPARED method the files answered: its accuracy, − full's, and = full's answers in %."""
     rows = weights_rows(paths)
     compared = [m for m in COMPARED if any(not math.isnan(row[m]) for row in rows)]
     lines = ["| weights | corpus | questions | full | " + " | ".join(compared) + " | "
-             + " | ".join(f"{m} − full" for m in compared) + " |",
-             "|---|---|---:|---:|" + "---:|" * len(compared) + "---|" * len(compared)]
+             + " | ".join(f"{m} − full" for m in compared) + " | " + " | ".join(f"{m} = full %" for m in compared) + " |",
+             "|---|---|---:|---:|" + "---:|" * len(compared) + "---|" * 2 * len(compared)]
     for row in rows:
         where = f", `{row['layout']}`" if row["layout"] else f", {row['layouts']} layouts pooled" if row["layouts"] > 1 else ""
         lines.append(f"| {WEIGHTS.get(row['weights'], row['weights'])} | {CORPORA[row['corpus']]}{where} | "
                      f"{row['questions']} | {100 * row['full']:.1f} | "
                      + "".join(f"{100 * row[m]:.1f} | " for m in compared)
-                     + "".join(f"{points(*row[f'{m}-full'])} | " for m in compared).rstrip())
+                     + "".join(f"{points(*row[f'{m}-full'])} | " for m in compared)
+                     + "".join(f"{percent(*row[f'{m}=full'])} | " for m in compared).rstrip())
     return "\n".join(lines)
 
 
@@ -531,8 +615,9 @@ def adapter_effect(paths: Sequence[str | Path]) -> list[str]:
 def curve_rows(paths: Sequence[str | Path]) -> list[dict]:
     """A row per method of each results file (one weight set each): the share of passage tokens it recomputed
     (block 0, full 1, blend@R R, auto its requests' mean), accuracy, the difference from full on the same
-    weights paired per question (pooled over layouts, each question once) and the median TTFT, which is one
-    user's only where the file was answered one question at a time."""
+    weights paired per question (pooled over layouts, each question once), the share of answers the same as
+    full's, pooled alike, and the median TTFT, which is one user's only where the file was answered one
+    question at a time."""
     rows = []
     for path in paths:
         settings, records = read_results(path)
@@ -546,19 +631,21 @@ def curve_rows(paths: Sequence[str | Path]) -> list[dict]:
                          "share": share,
                          "accuracy": statistics.fmean(r.correct for r in answers),
                          "gap": None if method == "full" else _clustered(records, method)[1:],
+                         "agree": None if method == "full" else _clustered(records, method, _agrees)[1:],
                          "ttft": statistics.median(r.ttft for r in answers),
                          "flops": statistics.median(r.flops for r in answers)})
     return rows
 
 
 def curve_table(paths: Sequence[str | Path]) -> str:
-    """`curve_rows` as the Markdown table docs/accuracy.md shows (accuracy in %)."""
-    lines = ["| weights | corpus | method | share recomputed | accuracy | − full | median TTFT ms |",
-             "|---|---|---|---:|---:|---|---:|"]
+    """`curve_rows` as the Markdown table docs/accuracy.md shows (accuracy and answers the same as full's in %)."""
+    lines = ["| weights | corpus | method | share recomputed | accuracy | − full | = full % | median TTFT ms |",
+             "|---|---|---|---:|---:|---|---|---:|"]
     for row in curve_rows(paths):
         share = "-" if row["share"] is None else f"{row['share']:.2f} (mean)" if row["method"] == "auto" else f"{row['share']:g}"
         lines.append(f"| {WEIGHTS.get(row['weights'], 'model')} | {CORPORA[row['corpus']]} | {row['method']} | {share} | "
                      f"{100 * row['accuracy']:.1f} | {'' if row['gap'] is None else points(*row['gap'])} | "
+                     f"{'' if row['agree'] is None else percent(*row['agree'])} | "
                      f"{row['ttft'] * 1e3:.0f} |")
     return "\n".join(lines)
 
