@@ -46,22 +46,26 @@ def test_every_method_answers_every_question(engine, examples, tmp_path):
 
 def test_blend_at_a_share_runs_from_block_to_full(engine, examples, tmp_path):
     """The curve's methods: blend@0 recomputes nothing (block's answers), blend@1 every passage token (full's),
-    shares between recompute more as they grow; curve_table reads the shares back from the file."""
-    methods = ["full", "block", "blend@0", "blend@0.3", "blend@1"]
+    shares between recompute more as they grow, and so for lookahead@R; curve_table reads the shares back."""
+    methods = ["full", "block", "blend@0", "blend@0.3", "blend@1", "lookahead@0", "lookahead@0.3", "lookahead@1"]
     records = evaluate(engine, examples, methods, max_new_tokens=4, results=tmp_path / "c.jsonl", progress=False)
     by = {(r.method, r.id): r for r in records}
     for e in examples:
         assert by["blend@0", e.id].output == by["block", e.id].output
         assert by["blend@1", e.id].output == by["full", e.id].output
         assert by["block", e.id].flops <= by["blend@0", e.id].flops < by["blend@0.3", e.id].flops < by["blend@1", e.id].flops
+        assert by["lookahead@0", e.id].output == by["block", e.id].output
+        assert by["lookahead@1", e.id].output == by["full", e.id].output
+        assert by["block", e.id].flops < by["lookahead@0.3", e.id].flops < by["lookahead@1", e.id].flops
     rows = [line.split(" | ")[2:4] for line in curve_table([tmp_path / "c.jsonl"]).splitlines()[2:]]
-    assert rows == [["full", "1"], ["block", "0"], ["blend@0", "0"], ["blend@0.3", "0.3"], ["blend@1", "1"]]
+    assert rows == [["full", "1"], ["block", "0"], ["blend@0", "0"], ["blend@0.3", "0.3"], ["blend@1", "1"],
+                    ["lookahead@0", "0"], ["lookahead@0.3", "0.3"], ["lookahead@1", "1"]]
     assert curve_plot([tmp_path / "c.jsonl"], tmp_path / "c.png").read_bytes()[:8] == PNG
     rows = {row["method"]: row for row in summarize(records)}  # blend@1 is full up to rounding: it agrees with it
     assert (rows["blend@1"]["agree"], rows["blend@1"]["first"]) == (1.0, 1.0)
     assert rows["blend@1"]["kl"] == pytest.approx(0, abs=1e-4)
     assert (rows["full"]["agree"], rows["full"]["first"], rows["full"]["kl"]) == (None, None, None)  # not against itself
-    assert curve_table([tmp_path / "c.jsonl"]).splitlines()[-1].split(" | ")[6] == "100.0 ± 0.0"  # blend@1 = full
+    assert curve_table([tmp_path / "c.jsonl"]).splitlines()[-1].split(" | ")[6] == "100.0 ± 0.0"  # lookahead@1 = full
     for bad in ("blend@1.5", "blend@", "blend@-0.1", "blend@x"):
         with pytest.raises(ValueError, match="blend@R"):
             check_methods([bad])

@@ -117,7 +117,7 @@ def test_the_defaults_written_in_the_cli_are_the_harness_defaults():
     assert (cli.MODES, cli.ADAPTER_SCOPES, cli.BLOCK_CONTEXTS) == (MODES, ADAPTER_SCOPES, BLOCK_CONTEXTS)
     assert cli.LEARN_PROMPTS == LEARN_PROMPTS
     assert cli.BLEND_SELECT[0] == BlendConfig.select and set(cli.BLEND_SELECT) == set(
-        get_args(BlendConfig.__annotations__["select"]))
+        get_args(BlendConfig.__annotations__["select"])) - {"lookahead"}  # training chooses on layer 1 only
 
 
 @pytest.mark.parametrize(

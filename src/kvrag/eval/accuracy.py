@@ -25,11 +25,11 @@ from kvrag.modes import CAUSAL_MODES
 from .data import QUESTION_TYPES, QAExample
 from .layouts import LAYOUTS, OWN, check_layouts
 from .metrics import answer_in_output, normalize, token_f1
-from .ttft import flops_blend, flops_to_first_token, layer_flops
+from .ttft import flops_blend, flops_lookahead, flops_to_first_token, layer_flops
 
 METHODS = ("full", "map_reduce", "map_rerank", "block", "blend", "composite")
 """What `evaluate` runs by default; `EXTRA_METHODS` can be asked for by name."""
-EXTRA_METHODS = ("auto", "prefix", "blend_values", "blend_attention")
+EXTRA_METHODS = ("auto", "prefix", "blend_values", "blend_attention", "lookahead")
 
 
 @dataclass
@@ -72,16 +72,17 @@ def flops_generation(config, prompt_tokens: int, generated: int) -> float:
     return flops_to_first_token(config, prompt_tokens, 0) + config.num_hidden_layers * decode
 
 
-def _mode(mode: str, blend: BlendConfig | None = None, ratio: float | None = None) -> Callable:
+def _mode(mode: str, blend: BlendConfig | None = None, ratio: float | None = None, select: str | None = None) -> Callable:
     """A method answering in `mode` from one prompt; blend with `blend`'s settings, or the engine's with
-    `ratio` as the share recomputed."""
+    `ratio` as the share recomputed and `select` as the choice, where given."""
 
     def run(engine, example: QAExample, max_new_tokens: int, layout: str = OWN) -> Answer:
         return submit(engine, example, max_new_tokens, layout)()
 
     def submit(engine, example: QAExample, max_new_tokens: int, layout: str = OWN) -> Callable[[], Answer]:
         """Hand the question to the engine's scheduler now; the returned call waits for its answer."""
-        settings = replace(engine.blend, recompute_ratio=ratio) if ratio is not None else blend
+        changed = {k: v for k, v in (("recompute_ratio", ratio), ("select", select)) if v is not None}
+        settings = replace(engine.blend, **changed) if changed else blend
         options = {"mode": mode, "max_new_tokens": max_new_tokens, "blend": settings}
         if layout == OWN:
             stream = engine.stream(example.question, list(example.passages), **options)
@@ -96,7 +97,9 @@ def _mode(mode: str, blend: BlendConfig | None = None, ratio: float | None = Non
             else:
                 question = len(engine.prompt_from_text(text)[0].question)
             config = engine.model.config
-            if mode in ("blend", "auto"):
+            if mode in ("blend", "auto") and (settings or engine.blend).select == "lookahead":
+                flops = flops_lookahead(config, r.prompt_tokens - question, question, r.prefilled_tokens - 2 * question)
+            elif mode in ("blend", "auto"):
                 flops = flops_blend(config, r.prompt_tokens - question, question, r.prefilled_tokens - question)
             else:
                 flops = flops_to_first_token(config, r.prefilled_tokens, r.prompt_tokens - r.prefilled_tokens)
@@ -139,36 +142,40 @@ RUNNERS: dict[str, Callable] = {
     "prefix": _mode("prefix"),
     "blend_values": _mode("blend", BlendConfig(select="deviation", deviation="values")),
     "blend_attention": _mode("blend", BlendConfig(select="attention")),
+    "lookahead": _mode("blend", select="lookahead"),
 }
 
 
-MODE_METHODS = ("full", "block", "blend", "auto", "composite", "prefix", "blend_values", "blend_attention")
+MODE_METHODS = ("full", "block", "blend", "auto", "composite", "prefix", "blend_values", "blend_attention", "lookahead")
 """The methods that answer from one prompt, so that any prompt layout applies; the chains write their own.
-Blend at a share of its own, "blend@0.3", is one too (`runner`)."""
+Blend (or lookahead) at a share of its own, "blend@0.3", is one too (`runner`)."""
 REUSING = tuple(m for m in MODE_METHODS if m not in CAUSAL_MODES)
 """The methods that read the indexed passages' KV (the rest prefill every token)."""
-AT_SHARE = re.compile(r"blend@(0(?:\.\d+)?|1(?:\.0*)?)")
+AT_SHARE = re.compile(r"(blend|lookahead)@(0(?:\.\d+)?|1(?:\.0*)?)")
 
 
 def runner(method: str) -> Callable | None:
-    """What answers as `method`: a name of RUNNERS, or "blend@R", blend mode recomputing a share R of the
-    passages (the engine's other blend settings), for the curve of accuracy against the share."""
+    """What answers as `method`: a name of RUNNERS, or "blend@R" ("lookahead@R"), blend mode recomputing a share R
+    of the passages (chosen by lookahead; the engine's other blend settings), for the curve of accuracy against
+    the share."""
     if method in RUNNERS:
         return RUNNERS[method]
     at = AT_SHARE.fullmatch(method)
-    return _mode("blend", ratio=float(at.group(1))) if at else None
+    return _mode("blend", ratio=float(at.group(2)), select="lookahead" if at.group(1) == "lookahead" else None) \
+        if at else None
 
 
 def _mode_of(method: str) -> str:
-    """The method a blend@R is a share of ("blend"); any other method is its own."""
-    return "blend" if AT_SHARE.fullmatch(method) else method
+    """The method a blend@R (lookahead@R) is a share of ("blend", "lookahead"); any other method is its own."""
+    at = AT_SHARE.fullmatch(method)
+    return at.group(1) if at else method
 
 
 def check_methods(methods: Sequence[str], layouts: Sequence[str] = (OWN,)) -> None:
     unknown = [m for m in methods if runner(m) is None]
     if unknown or not methods:
         raise ValueError(f"unknown method(s) {unknown or methods}; choose from {', '.join(RUNNERS)}, or blend@R "
-                         "for blend recomputing a share R between 0 and 1")
+                         "(lookahead@R) for blend recomputing a share R between 0 and 1")
     check_layouts(layouts)
     chains = [m for m in methods if _mode_of(m) not in MODE_METHODS]
     if chains and any(layout != OWN for layout in layouts):
@@ -625,8 +632,9 @@ def curve_rows(paths: Sequence[str | Path]) -> list[dict]:
             answers = [r for r in records if r.method == method]
             at = AT_SHARE.fullmatch(method)
             shares = [r.recomputed for r in answers if r.recomputed is not None]
-            share = {"block": 0.0, "full": 1.0, "blend": settings["blend"]["recompute_ratio"]}.get(
-                method, float(at.group(1)) if at else statistics.fmean(shares) if shares else None)
+            ratio = settings["blend"]["recompute_ratio"]
+            share = {"block": 0.0, "full": 1.0, "blend": ratio, "lookahead": ratio}.get(
+                method, float(at.group(2)) if at else statistics.fmean(shares) if shares else None)
             rows.append({"weights": settings.get("weights", "model"), "corpus": _corpus(settings), "method": method,
                          "share": share,
                          "accuracy": statistics.fmean(r.correct for r in answers),
@@ -660,9 +668,13 @@ def curve_plot(paths: Sequence[str | Path], path: str | Path) -> Path:
     for (weights, corpus), color in zip(dict.fromkeys((r["weights"], r["corpus"]) for r in rows), plt.cm.tab10.colors):
         mine = [r for r in rows if (r["weights"], r["corpus"]) == (weights, corpus)]
         label = f"{WEIGHTS.get(weights, weights)}, {CORPORA[corpus]}"
-        line = sorted((r for r in mine if r["method"] != "auto"), key=lambda r: r["share"])
-        left.plot([r["share"] for r in line], [100 * r["accuracy"] for r in line], "o-", color=color, label=label)
-        right.plot([r["flops"] / 1e9 for r in line], [100 * r["accuracy"] for r in line], "o-", color=color, label=label)
+        for family, style in (("blend", "o-"), ("lookahead", "s--")):  # block and full end both lines
+            line = sorted((r for r in mine if _mode_of(r["method"]) in (family, "block", "full")), key=lambda r: r["share"])
+            if family == "blend" or any(_mode_of(r["method"]) == family for r in line):
+                tag = label if family == "blend" else f"{label}, lookahead"
+                left.plot([r["share"] for r in line], [100 * r["accuracy"] for r in line], style, color=color, label=tag)
+                right.plot([r["flops"] / 1e9 for r in line], [100 * r["accuracy"] for r in line], style, color=color,
+                           label=tag)
         for r in mine:
             if r["method"] == "auto":
                 left.plot(r["share"], 100 * r["accuracy"], "*", ms=14, color=color, label=f"auto ({label})")

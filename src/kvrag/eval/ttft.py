@@ -64,6 +64,13 @@ def flops_blend(config, context: int, question: int, recomputed: int) -> float:
     return selection + computed + 2 * config.hidden_size * config.vocab_size
 
 
+def flops_lookahead(config, context: int, question: int, recomputed: int) -> float:
+    """Blend with select="lookahead": block mode's question pass over the context through every layer, then
+    `recomputed` context tokens and the question as blend runs them, without its first-layer selection pass."""
+    selection = layer_flops(config, context, context * (context + 1) / 2)
+    return flops_to_first_token(config, question, context) + flops_blend(config, context, question, recomputed) - selection
+
+
 def make_passages(engine, total_tokens: int, block_tokens: int = 256, tag: str = "") -> list[str]:
     """Distinct filler passages of about `block_tokens` tokens adding up to about `total_tokens`.
     `engine`: an engine or its PromptLayout."""

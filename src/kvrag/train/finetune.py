@@ -97,7 +97,7 @@ def blend_rows(model, example: TrainingExample) -> torch.Tensor:
         question = slice(end, next(i for i, label in enumerate(example.labels) if label != IGNORE))
         keys, _ = fresh_kv(family, decoder.layers[1], blocked[:, :end], cos[:, :end], sin[:, :end])
         mass = question_attention(family, decoder.layers[1], blocked[:, question], cos[:, question], sin[:, question],
-                                  keys)
+                                  keys).sum(dim=(0, 1))
         chosen = first + mass[first:end].topk(kept).indices
     else:
         plain = layer0(attention.mask(positions, n, hidden.dtype))
@@ -116,6 +116,9 @@ def encode(engine, question: str, passages: Sequence[str], answer: str, *, full_
     if blend is not None and (full_attention or blend.check_layers != (1,)):
         raise ValueError("blend training needs block attention and check_layers=(1,): a token blend leaves alone "
                          f"keeps block KV only on the layers past the first check (got {blend.check_layers})")
+    if blend is not None and blend.select == "lookahead":
+        raise ValueError("blend training chooses its tokens on layer 1 (select 'deviation' or 'attention'), not by "
+                         "lookahead's pass through every layer")
     if engine.block_context != "none":
         raise ValueError(
             "block fine-tuning needs block_context='none': with 'prefix' a block is encoded at a canonical "
