@@ -23,6 +23,7 @@ ratio 0 only the question, which is `block` (when the first check layer is 0 or 
 mode's re-encoded ones.
 """
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -222,8 +223,8 @@ class Selection:
 
     def ahead(self, read: torch.Tensor) -> torch.Tensor:
         """The passage positions (sorted, with the sinks) that lookahead recomputes, from the attention `read`
-        paid to each position before the question: the share of the most read, of each passage where
-        `config.per_passage`, else of all."""
+        paid to each position before the question: the share of the most read, of each block where
+        `config.per_passage` (rounded up, so that the short glue between passages keeps some), else of all."""
         config, first, context = self.config, self.first, self.context
         mass = read[first:context]
         if not len(mass):
@@ -232,7 +233,8 @@ class Selection:
             else config.recompute_ratio
         bounds = sorted({first, context, *(s for s in self.starts if first < s < context)}) if config.per_passage \
             else [first, context]
-        chosen = [start + mass[start - first:end - first].topk(round(share * (end - start))).indices
+        count = (lambda n: math.ceil(share * n)) if config.per_passage else (lambda n: round(share * n))
+        chosen = [start + mass[start - first:end - first].topk(count(end - start)).indices
                   for start, end in zip(bounds, bounds[1:])]
         return torch.cat([*chosen, self.sinks]).unique()
 
