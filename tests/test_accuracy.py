@@ -65,7 +65,8 @@ def test_blend_at_a_share_runs_from_block_to_full(engine, examples, tmp_path):
     assert (rows["blend@1"]["agree"], rows["blend@1"]["first"]) == (1.0, 1.0)
     assert rows["blend@1"]["kl"] == pytest.approx(0, abs=1e-4)
     assert (rows["full"]["agree"], rows["full"]["first"], rows["full"]["kl"]) == (None, None, None)  # not against itself
-    assert curve_table([tmp_path / "c.jsonl"]).splitlines()[-1].split(" | ")[6] == "100.0 ± 0.0"  # lookahead@1 = full
+    last = curve_table([tmp_path / "c.jsonl"]).splitlines()[-1].split(" | ")
+    assert last[6:9] == ["100.0 ± 0.0", "100.0 ± 0.0", "0.000"]  # lookahead@1 = full: answers, first tokens, KL
     for bad in ("blend@1.5", "blend@", "blend@-0.1", "blend@x"):
         with pytest.raises(ValueError, match="blend@R"):
             check_methods([bad])

@@ -623,7 +623,8 @@ def curve_rows(paths: Sequence[str | Path]) -> list[dict]:
     """A row per method of each results file (one weight set each): the share of passage tokens it recomputed
     (block 0, full 1, blend@R R, auto its requests' mean), accuracy, the difference from full on the same
     weights paired per question (pooled over layouts, each question once), the share of answers the same as
-    full's, pooled alike, and the median TTFT, which is one user's only where the file was answered one
+    full's, pooled alike (and of the same first token, and the first token's KL, as (questions, mean, half-width)),
+    and the median TTFT, which is one user's only where the file was answered one
     question at a time."""
     rows = []
     for path in paths:
@@ -640,20 +641,25 @@ def curve_rows(paths: Sequence[str | Path]) -> list[dict]:
                          "accuracy": statistics.fmean(r.correct for r in answers),
                          "gap": None if method == "full" else _clustered(records, method)[1:],
                          "agree": None if method == "full" else _clustered(records, method, _agrees)[1:],
+                         "first": None if method == "full" else _clustered(records, method, _same_first),
+                         "kl": None if method == "full" else _clustered(records, method, _kl),
                          "ttft": statistics.median(r.ttft for r in answers),
                          "flops": statistics.median(r.flops for r in answers)})
     return rows
 
 
 def curve_table(paths: Sequence[str | Path]) -> str:
-    """`curve_rows` as the Markdown table docs/accuracy.md shows (accuracy and answers the same as full's in %)."""
-    lines = ["| weights | corpus | method | share recomputed | accuracy | − full | = full % | median TTFT ms |",
-             "|---|---|---|---:|---:|---|---|---:|"]
+    """`curve_rows` as the Markdown table docs/accuracy.md shows (accuracy, answers and first tokens the same as
+    full's in %, the first token's mean KL(full ‖ method)); "-" where the files predate the first tokens."""
+    lines = ["| weights | corpus | method | share recomputed | accuracy | − full | = full % | 1st token = full % | KL | "
+             "median TTFT ms |", "|---|---|---|---:|---:|---|---|---|---:|---:|"]
     for row in curve_rows(paths):
         share = "-" if row["share"] is None else f"{row['share']:.2f} (mean)" if row["method"] == "auto" else f"{row['share']:g}"
+        first = "" if row["first"] is None else percent(*row["first"][1:]) if row["first"][0] else "-"
+        kl = "" if row["kl"] is None else f"{row['kl'][1]:.3f}" if row["kl"][0] else "-"
         lines.append(f"| {WEIGHTS.get(row['weights'], 'model')} | {CORPORA[row['corpus']]} | {row['method']} | {share} | "
                      f"{100 * row['accuracy']:.1f} | {'' if row['gap'] is None else points(*row['gap'])} | "
-                     f"{'' if row['agree'] is None else percent(*row['agree'])} | "
+                     f"{'' if row['agree'] is None else percent(*row['agree'])} | {first} | {kl} | "
                      f"{row['ttft'] * 1e3:.0f} |")
     return "\n".join(lines)
 
