@@ -656,7 +656,7 @@ def curve_table(paths: Sequence[str | Path]) -> str:
     for row in curve_rows(paths):
         share = "-" if row["share"] is None else f"{row['share']:.2f} (mean)" if row["method"] == "auto" else f"{row['share']:g}"
         first = "" if row["first"] is None else percent(*row["first"][1:]) if row["first"][0] else "-"
-        kl = "" if row["kl"] is None else f"{row['kl'][1]:.3f}" if row["kl"][0] else "-"
+        kl = "" if row["kl"] is None else f"{round(row['kl'][1], 3) + 0.0:.3f}" if row["kl"][0] else "-"  # no -0.000
         lines.append(f"| {WEIGHTS.get(row['weights'], 'model')} | {CORPORA[row['corpus']]} | {row['method']} | {share} | "
                      f"{100 * row['accuracy']:.1f} | {'' if row['gap'] is None else points(*row['gap'])} | "
                      f"{'' if row['agree'] is None else percent(*row['agree'])} | {first} | {kl} | "
