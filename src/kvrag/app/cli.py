@@ -26,7 +26,7 @@ LEARN_PROMPTS = 4096
 
 BENCH_METHODS = ("full", "map_reduce", "map_rerank", "block", "blend", "composite")
 """kvrag.eval.accuracy.METHODS: what `bench accuracy` runs by default."""
-BENCH_EXTRA_METHODS = ("auto", "prefix", "blend_values", "blend_attention", "lookahead")
+BENCH_EXTRA_METHODS = ("auto", "prefix", "blend_values", "blend_attention", "lookahead", "auto_lookahead")
 """kvrag.eval.accuracy.EXTRA_METHODS: what it runs when asked by name."""
 BENCH_LAYOUTS = ("kvrag", "langchain-rag-prompt", "rag-prompt-question-last", "langchain-system-context",
                  "llamaindex-text-qa", "llamaindex-chat-qa", "numbered", "separated")

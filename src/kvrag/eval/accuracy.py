@@ -29,7 +29,7 @@ from .ttft import flops_blend, flops_lookahead, flops_to_first_token, layer_flop
 
 METHODS = ("full", "map_reduce", "map_rerank", "block", "blend", "composite")
 """What `evaluate` runs by default; `EXTRA_METHODS` can be asked for by name."""
-EXTRA_METHODS = ("auto", "prefix", "blend_values", "blend_attention", "lookahead")
+EXTRA_METHODS = ("auto", "prefix", "blend_values", "blend_attention", "lookahead", "auto_lookahead")
 
 
 @dataclass
@@ -143,10 +143,12 @@ RUNNERS: dict[str, Callable] = {
     "blend_values": _mode("blend", BlendConfig(select="deviation", deviation="values")),
     "blend_attention": _mode("blend", BlendConfig(select="attention")),
     "lookahead": _mode("blend", select="lookahead"),
+    "auto_lookahead": _mode("auto", select="lookahead"),
 }
 
 
-MODE_METHODS = ("full", "block", "blend", "auto", "composite", "prefix", "blend_values", "blend_attention", "lookahead")
+MODE_METHODS = ("full", "block", "blend", "auto", "composite", "prefix", "blend_values", "blend_attention", "lookahead",
+                "auto_lookahead")
 """The methods that answer from one prompt, so that any prompt layout applies; the chains write their own.
 Blend (or lookahead) at a share of its own, "blend@0.3", is one too (`runner`)."""
 REUSING = tuple(m for m in MODE_METHODS if m not in CAUSAL_MODES)
@@ -537,6 +539,8 @@ WEIGHTS = {"published": "published weights", "adapter": "shipped adapter"}
 """The weight sets `kvrag bench accuracy --weights` compares modes on, each in every mode."""
 CORPORA = {"generated": "generated worlds", "squad": "SQuAD", "heldout": "examples/heldout"}
 COMPARED = ("block", "blend", "auto")  # each against full, on the same weights, where the files hold it
+AUTO_METHODS = ("auto", "auto_lookahead")
+"""The methods whose share recomputed follows each request: the curve shows their mean share, apart from the lines."""
 
 
 def read_results(path: str | Path) -> tuple[dict, list[Record]]:
@@ -654,7 +658,7 @@ def curve_table(paths: Sequence[str | Path]) -> str:
     lines = ["| weights | corpus | method | share recomputed | accuracy | − full | = full % | 1st token = full % | KL | "
              "median TTFT ms |", "|---|---|---|---:|---:|---|---|---|---:|---:|"]
     for row in curve_rows(paths):
-        share = "-" if row["share"] is None else f"{row['share']:.2f} (mean)" if row["method"] == "auto" else f"{row['share']:g}"
+        share = "-" if row["share"] is None else f"{row['share']:.2f} (mean)" if row["method"] in AUTO_METHODS else f"{row['share']:g}"
         first = "" if row["first"] is None else percent(*row["first"][1:]) if row["first"][0] else "-"
         kl = "" if row["kl"] is None else f"{round(row['kl'][1], 3) + 0.0:.3f}" if row["kl"][0] else "-"  # no -0.000
         lines.append(f"| {WEIGHTS.get(row['weights'], 'model')} | {CORPORA[row['corpus']]} | {row['method']} | {share} | "
@@ -682,7 +686,7 @@ def curve_plot(paths: Sequence[str | Path], path: str | Path) -> Path:
                 right.plot([r["flops"] / 1e9 for r in line], [100 * r["accuracy"] for r in line], style, color=color,
                            label=tag)
         for r in mine:
-            if r["method"] == "auto":
+            if r["method"] in AUTO_METHODS:
                 left.plot(r["share"], 100 * r["accuracy"], "*", ms=14, color=color, label=f"auto ({label})")
                 right.plot(r["flops"] / 1e9, 100 * r["accuracy"], "*", ms=14, color=color)
             for ax, x in ((left, r["share"]), (right, r["flops"] / 1e9)):
