@@ -126,6 +126,7 @@ def test_served_model_names(engine):
         ({"kvrag": {"mode": "fast"}}, 400, None, "kvrag.mode"),
         ({"kvrag": {"blend_ratio": 2}}, 400, None, "kvrag.blend_ratio"),
         ({"kvrag": {"mode": "auto", "coverage": 0}}, 400, None, "kvrag.coverage"),
+        ({"kvrag": {"mode": "blend", "select": "random"}}, 400, None, "kvrag.select"),
         ({"kvrag": {"speed": 1}}, 400, None, "kvrag.speed"),
         ({"stream": True, "n": 3}, 400, None, "n"),
     ],
@@ -239,6 +240,10 @@ def test_kvrag_mode_and_blend_ratio(server, engine):
         auto = chat(server, kvrag={"mode": "auto", "coverage": coverage}).json()
         assert auto["kvrag"]["mode"] == "auto" and auto["choices"][0]["message"]["content"] == expected.text
         assert auto["kvrag"]["prefilled_tokens"] == expected.prefilled_tokens
+    expected = reference(engine, mode="blend", blend=BlendConfig(recompute_ratio=0.5, select="lookahead"))
+    ahead = chat(server, kvrag={"mode": "blend", "blend_ratio": 0.5, "select": "lookahead"}).json()
+    assert ahead["choices"][0]["message"]["content"] == expected.text
+    assert ahead["kvrag"]["prefilled_tokens"] == expected.prefilled_tokens
 
 
 def test_the_default_mode_and_max_tokens(engine):

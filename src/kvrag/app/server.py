@@ -150,6 +150,7 @@ class KVRagOptions(BaseModel):
     mode: Mode | None = None
     blend_ratio: float | None = Field(default=None, ge=0.0, le=1.0)  # BlendConfig.recompute_ratio, mode blend
     coverage: float | None = Field(default=None, gt=0.0, le=1.0)  # BlendConfig.coverage, mode auto
+    select: Literal["deviation", "attention", "lookahead"] | None = None  # BlendConfig.select, modes blend and auto
 
 
 class StreamOptions(BaseModel):
@@ -478,7 +479,8 @@ def create_app(engine, *, api_key: str | None = None, model_name: str | Sequence
             "seed": body.seed,
             "stop": body.stop,
         }
-        settings = {"recompute_ratio": body.kvrag.blend_ratio, "coverage": body.kvrag.coverage} if body.kvrag else {}
+        settings = {"recompute_ratio": body.kvrag.blend_ratio, "coverage": body.kvrag.coverage,
+                    "select": body.kvrag.select} if body.kvrag else {}
         settings = {name: value for name, value in settings.items() if value is not None}
         if settings:
             options["blend"] = replace(engine.blend, **settings)
