@@ -2,7 +2,6 @@
 family, the token selection against a brute-force reference, and blend's settings."""
 
 import copy
-import math
 
 import pytest
 import torch
@@ -125,41 +124,29 @@ def test_attention_selection_takes_what_the_question_reads_most(make_engine, tok
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_lookahead_endpoints_are_full_and_block(make_engine, tok, arch, device):
-    """Nothing recomputed is block mode, everything is full, whether shares are global or per passage."""
+    """Nothing recomputed is block mode, everything is full."""
     engine = make_engine(arch, device=device)
     prompt = random_prompt(len(tok))
     full, block = question_logits(engine, prompt, "full"), question_logits(engine, prompt, "block")
     tolerance = TOLERANCE[engine.model.dtype]
-    for per_passage in (False, True):
-        at = lambda ratio: blend_logits(engine, prompt, recompute_ratio=ratio, select="lookahead",  # noqa: E731
-                                        per_passage=per_passage)
-        torch.testing.assert_close(at(1.0), full, rtol=tolerance, atol=tolerance)
-        torch.testing.assert_close(at(0.0), block, rtol=tolerance, atol=tolerance)
-        assert (at(0.5)[-1] - full[-1]).norm() < (block[-1] - full[-1]).norm()
+    at = lambda ratio: blend_logits(engine, prompt, recompute_ratio=ratio, select="lookahead")  # noqa: E731
+    torch.testing.assert_close(at(1.0), full, rtol=tolerance, atol=tolerance)
+    torch.testing.assert_close(at(0.0), block, rtol=tolerance, atol=tolerance)
+    assert (at(0.5)[-1] - full[-1]).norm() < (block[-1] - full[-1]).norm()
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "llama3-scaled"])
 def test_lookahead_takes_what_block_modes_question_pass_reads_most(deep_engine, tok, arch):
     """select="lookahead": the top share of the attention block mode's question pays each passage token,
-    summed over every layer (or the deep half), or each layer's most-reading head and token; per passage,
-    each block's own top share."""
+    summed over every layer; auto: the fewest tokens holding `coverage` of it."""
     engine = deep_engine(arch)
     prompt = random_prompt(len(tok))
     first = len(prompt.prefix)
-    reads = question_reads(engine, prompt)
-    top = lambda mass, share=0.3: (mass.topk(round(share * len(mass))).indices + first).sort().values.tolist()  # noqa: E731
-    ahead = lambda **settings: recomputed(engine, prompt, BlendConfig(recompute_ratio=0.3, select="lookahead",  # noqa: E731
-                                                                       **settings)).tolist()
-    assert ahead() == top(reads.sum(dim=(0, 1, 2)))
-    assert ahead(lookahead_layers="deep") == top(reads[2:].sum(dim=(0, 1, 2)))
-    assert ahead(lookahead_heads="max") == top(reads.amax(dim=(1, 2)).sum(0))
-    assert ahead() != ahead(lookahead_layers="deep")
-    mass, chosen = reads.sum(dim=(0, 1, 2)), ahead(per_passage=True)
-    bounds = [*prompt.block_starts(), len(prompt) - len(prompt.question)]
-    for start, end in zip(bounds, bounds[1:]):
-        own = mass[start - first:end - first]
-        assert [p for p in chosen if start <= p < end] == [p + start - first for p in top(own, math.ceil(0.3 * len(own)) / len(own))]
-    # auto: the fewest tokens holding `coverage` of that attention
+    mass = question_reads(engine, prompt).sum(dim=(0, 1, 2))
+    expected = (mass.topk(round(0.3 * len(mass))).indices + first).sort().values
+    got = recomputed(engine, prompt, BlendConfig(recompute_ratio=0.3, select="lookahead"))
+    assert got.tolist() == expected.tolist()
+    assert got.tolist() != recomputed(engine, prompt, BlendConfig(recompute_ratio=0.3, select="attention")).tolist()
     ordered = mass.sort(descending=True)
     needed = int((ordered.values.cumsum(0) < 0.6 * mass.sum()).sum()) + 1
     config = BlendConfig(select="lookahead", coverage=0.6, least=0.0, most=1.0)
@@ -253,8 +240,6 @@ def test_blend_generation_reports_what_it_recomputed(make_engine, tok):
         (dict(widen=0.5), "widen"),
         (dict(sink_tokens=-1), "sink_tokens"),
         (dict(select="queries"), "select"),
-        (dict(lookahead_layers="middle"), "lookahead_layers"),
-        (dict(lookahead_heads="mean"), "lookahead_heads"),
         (dict(coverage=0.0), "coverage"),
         (dict(least=0.6, most=0.5), "least"),
     ],

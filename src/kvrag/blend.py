@@ -23,7 +23,6 @@ ratio 0 only the question, which is `block` (when the first check layer is 0 or 
 mode's re-encoded ones.
 """
 
-import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -52,13 +51,8 @@ class BlendConfig:
     select           "deviation" (CacheBlend: the tokens whose K or V changes most in context),
                      "attention" (the tokens the question attends to most over the cached KV, on
                      the check layer), or "lookahead" (ProphetKV's two stages: the tokens block mode's
-                     question pass reads most over `lookahead_layers`, chosen before any recompute;
+                     question pass reads most, summed over every layer, chosen before any recompute;
                      `check_layers` and `widen` do not apply). docs/modes.md has the measurements.
-    lookahead_layers "all" the layers, or the "deep" half, whose attention lookahead sums.
-    lookahead_heads  "sum" a token's attention over heads and question tokens, or its "max" over them
-                     (a token one head reads hard is not outvoted by the rest).
-    per_passage      lookahead: every passage recomputes its own share of its tokens, so that one passage
-                     the question reads a lot cannot crowd out the rest.
     coverage         mode "auto": recompute the fewest passage tokens that hold `coverage` of the total
                      deviation (or of the question's attention) on the first check layer, between `least`
                      and `most` of the passage tokens; the share then follows each request.
@@ -70,9 +64,6 @@ class BlendConfig:
     widen: float = 2.0
     sink_tokens: int = 0
     select: Literal["attention", "deviation", "lookahead"] = "deviation"
-    lookahead_layers: Literal["all", "deep"] = "all"
-    lookahead_heads: Literal["sum", "max"] = "sum"
-    per_passage: bool = False
     coverage: float = 0.9
     least: float = 0.05
     most: float = 0.5
@@ -92,10 +83,6 @@ class BlendConfig:
             raise ValueError(f"sink_tokens must be >= 0, got {self.sink_tokens}")
         if self.select not in ("attention", "deviation", "lookahead"):
             raise ValueError(f"select must be 'attention', 'deviation' or 'lookahead', got {self.select!r}")
-        if self.lookahead_layers not in ("all", "deep"):
-            raise ValueError(f"lookahead_layers must be 'all' or 'deep', got {self.lookahead_layers!r}")
-        if self.lookahead_heads not in ("sum", "max"):
-            raise ValueError(f"lookahead_heads must be 'sum' or 'max', got {self.lookahead_heads!r}")
         if not 0.0 < self.coverage <= 1.0:
             raise ValueError(f"coverage must be within (0, 1], got {self.coverage}")
         if not 0.0 <= self.least <= self.most <= 1.0:
@@ -149,13 +136,11 @@ def prefill(model, workspace, ids: list[int], first: int, context: int, block_st
     device, n = workspace.keys.device, len(ids)
     selection = Selection(config, first, context, block_starts, device, auto)
     active = torch.arange(n, device=device)
-    mask = None  # every token runs: plain causal attention
-    if config.select == "lookahead":  # the tokens are chosen before the pass, which runs only them from layer 0
-        read = lookahead(family, decoder, workspace, ids, context, config)
-        active = torch.cat([selection.ahead(read), active[context:]])
+    ahead = config.select == "lookahead"  # the tokens are chosen before the pass, which runs only them from layer 0
+    if ahead:
+        active = torch.cat([selection.ahead(lookahead(family, decoder, workspace, ids, context)), active[context:]])
     hidden = decoder.embed_tokens(torch.tensor(ids, device=device)[active])[None]
-    if config.select == "lookahead":
-        mask = attention_mask(active, n, hidden.dtype)
+    mask = attention_mask(active, n, hidden.dtype) if ahead else None  # else every token runs: plain causal attention
     cache = workspace.cache(n)
     last = len(decoder.layers) - 1
     for index, layer in enumerate(decoder.layers):
@@ -187,23 +172,21 @@ def prefill(model, workspace, ids: list[int], first: int, context: int, block_st
     return logits[0], recomputed
 
 
-def lookahead(family, decoder, workspace, ids: list[int], context: int, config: BlendConfig) -> torch.Tensor:
+def lookahead(family, decoder, workspace, ids: list[int], context: int) -> torch.Tensor:
     """Stage one of "lookahead": block mode's question pass over the cached `ids[:context]`, layer by layer,
-    returning the attention it pays each of those tokens [context], summed over `config.lookahead_layers`
-    (per layer summed, or the most, over heads and question tokens: `config.lookahead_heads`). It writes the
-    question's block-mode KV, which stage two overwrites; the last layer's output is never needed."""
+    returning the attention it pays each of those tokens [context], summed over the layers, heads and question
+    tokens. It writes the question's block-mode KV, which stage two overwrites; the last layer's output is never
+    needed. (Summing only the deeper half of the layers, taking the most-reading head, or giving every passage
+    its own share all came out further from full on SQuAD's and the generated dev questions: docs/modes.md.)"""
     device, n = workspace.keys.device, len(ids)
     active = torch.arange(context, n, device=device)
     hidden = decoder.embed_tokens(torch.tensor(ids[context:], device=device))[None]
     cache, mask = workspace.cache(context), attention_mask(active, n, hidden.dtype)
-    layers = len(decoder.layers)
     read = torch.zeros(context, device=device)
     for index, layer in enumerate(decoder.layers):
         cos, sin = decoder.rotary_emb(hidden, active[None])
-        if config.lookahead_layers == "all" or index >= layers // 2:
-            weights = question_attention(family, layer, hidden, cos, sin, workspace.keys[index][:, :, :context]).float()
-            read += weights.sum(dim=(0, 1)) if config.lookahead_heads == "sum" else weights.amax(dim=(0, 1))
-        if index < layers - 1:
+        read += question_attention(family, layer, hidden, cos, sin, workspace.keys[index][:, :, :context]).sum(dim=(0, 1))
+        if index < len(decoder.layers) - 1:
             hidden = layer(hidden, attention_mask=mask, position_ids=active[None], cache=cache,
                            position_embeddings=(cos, sin))
     return read
@@ -217,26 +200,19 @@ class Selection:
     def __init__(self, config: BlendConfig, first: int, context: int, block_starts: list[int], device, auto: bool):
         self.config, self.first, self.context, self.auto = config, first, context, auto
         self.sinks = sink_positions(block_starts, config.sink_tokens, context, device)
-        self.starts = block_starts
         self.checks = () if config.select == "lookahead" else config.check_layers
         self.share = None  # auto's, once the first check layer has measured it
 
     def ahead(self, read: torch.Tensor) -> torch.Tensor:
-        """The passage positions (sorted, with the sinks) that lookahead recomputes, from the attention `read`
-        paid to each position before the question: the share of the most read, of each block where
-        `config.per_passage` (rounded up, so that the short glue between passages keeps some), else of all."""
-        config, first, context = self.config, self.first, self.context
-        mass = read[first:context]
+        """The passage positions (sorted, with the sinks) that lookahead recomputes: the share (fixed, or the
+        fewest holding `coverage` of it for auto) that the question's pass `read` most."""
+        config, mass = self.config, read[self.first:self.context]
         if not len(mass):
             return self.sinks
         share = covering_share(mass, config.coverage, config.least, config.most, len(mass)) if self.auto \
             else config.recompute_ratio
-        bounds = sorted({first, context, *(s for s in self.starts if first < s < context)}) if config.per_passage \
-            else [first, context]
-        count = (lambda n: math.ceil(share * n)) if config.per_passage else (lambda n: round(share * n))
-        chosen = [start + mass[start - first:end - first].topk(count(end - start)).indices
-                  for start, end in zip(bounds, bounds[1:])]
-        return torch.cat([*chosen, self.sinks]).unique()
+        chosen = self.first + mass.topk(round(share * len(mass))).indices
+        return torch.cat([chosen, self.sinks]).unique()
 
     def survivors(self, family, layer, index, hidden, cos, sin, active, workspace) -> torch.Tensor:
         config = self.config
