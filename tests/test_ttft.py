@@ -24,10 +24,11 @@ def test_ttft_table_on_a_tiny_model(make_engine):
     assert [r["context"] for r in rows][0] == len(engine.layout.prefix_ids)
     assert rows[1]["context"] >= 96  # system prompt and passages
     for row in rows:
-        assert all(row[k] > 0 for k in ("floor", "full", "block", "prefix", "blend10", "blend15", "blend30", "auto"))
+        assert all(row[k] > 0 for k in ("floor", "full", "block", "prefix", "blend10", "blend15", "blend30", "ahead15", "ahead30",
+                                     "auto"))
         assert row["flops_block"] < row["flops_full"] or row["context"] == len(engine.layout.prefix_ids)
-        assert row["flops_block"] <= row["flops_blend15"]
-    assert len(lines) == 2 and len(lines[0].split()) == 16 == HEADER.count(" ms") + 8  # one value per column
+        assert row["flops_block"] <= row["flops_blend15"] and row["flops_block"] <= row["flops_ahead15"]
+    assert len(lines) == 2 and len(lines[0].split()) == 20 == HEADER.count(" ms") + 10  # one value per column
     assert format_row(rows[1]) == lines[1]
 
 

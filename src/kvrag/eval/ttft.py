@@ -3,7 +3,8 @@
 A ~50-token question follows about 0..8K tokens of context (system prompt and passages). `full`
 prefills everything, `block` prefills the question only, `prefix` can reuse only the system prompt
 (each run brings passages no earlier request had, as a new retrieval does), `blend` recomputes
-10%, 15% or 30% of the passage tokens with the question (CacheBlend), and `floor` is the same
+10%, 15% or 30% of the passage tokens with the question (CacheBlend), `ahead` 15% or 30% of them chosen by
+the question's block-mode pass (`select="lookahead"`), and `floor` is the same
 request without passages: the least any mode can take for this question. Runs of the modes are
 interleaved so that a noisy machine affects them alike; ratios are against `full` from the same run.
 FLOPs to first token follow the TurboRAG appendix (QKV, attention, output projection and MLP per
@@ -21,6 +22,7 @@ from kvrag import BlendConfig
 from kvrag.families import head_dim
 
 BLEND_RATIOS = (0.10, 0.15, 0.30)
+AHEAD_RATIOS = (0.15, 0.30)
 
 QUESTION = (
     "Considering every passage above about the island, its towns, its engineers and its festivals, "
@@ -153,6 +155,7 @@ def ttft_table(engine, lengths=(0, 512, 1024, 2048, 4096, 8000), runs: int = 3, 
         q_tokens = len(prompt.question)
         cached = len(prompt) - q_tokens
         blends = {f"blend{round(r * 100)}": BlendConfig(recompute_ratio=r) for r in BLEND_RATIOS}
+        blends |= {f"ahead{round(r * 100)}": BlendConfig(recompute_ratio=r, select="lookahead") for r in AHEAD_RATIOS}
         times = {name: [] for name in ("floor", "full", "block", "prefix", *blends, "auto")}
         _ttft(engine, question, passages, "block")  # warm-up: buffers and allocator
         for run in range(runs):
@@ -173,6 +176,7 @@ def ttft_table(engine, lengths=(0, 512, 1024, 2048, 4096, 8000), runs: int = 3, 
             flops_full=flops_to_first_token(config, cached + q_tokens, 0),
             flops_block=flops_to_first_token(config, q_tokens, cached),
             flops_blend15=flops_blend(config, cached, q_tokens, round(0.15 * passage_tokens)),
+            flops_ahead15=flops_lookahead(config, cached, q_tokens, round(0.15 * passage_tokens)),
         )
         if memory:
             row["peak_memory"] = peak_memory(engine.model.device)
@@ -183,9 +187,9 @@ def ttft_table(engine, lengths=(0, 512, 1024, 2048, 4096, 8000), runs: int = 3, 
 
 HEADER = (
     f"{'context':>8} {'floor ms':>9} {'full ms':>9} {'prefix ms':>9} {'block ms':>9} "
-    f"{'blend10 ms':>10} {'blend15 ms':>10} {'blend30 ms':>10} {'auto ms':>9} {'full/block':>10} {'full/blend15':>12} "
-    f"{'full/auto':>9} "
-    f"{'block/floor':>11} {'GFLOPs full':>11} {'GFLOPs block':>12} {'GFLOPs blend15':>14}"
+    f"{'blend10 ms':>10} {'blend15 ms':>10} {'blend30 ms':>10} {'ahead15 ms':>10} {'ahead30 ms':>10} {'auto ms':>9} "
+    f"{'full/block':>10} {'full/blend15':>12} {'full/ahead15':>12} {'full/auto':>9} "
+    f"{'block/floor':>11} {'GFLOPs full':>11} {'GFLOPs block':>12} {'GFLOPs blend15':>14} {'GFLOPs ahead15':>14}"
 )
 MEMORY_HEADER = f"{HEADER} {'peak GiB':>9}"
 """HEADER with the column `ttft_table(..., memory=True)` adds."""
@@ -195,9 +199,10 @@ def format_row(row) -> str:
     return (
         f"{row['context']:>8} {row['floor'] * 1e3:>9.1f} {row['full'] * 1e3:>9.1f} {row['prefix'] * 1e3:>9.1f} "
         f"{row['block'] * 1e3:>9.1f} {row['blend10'] * 1e3:>10.1f} {row['blend15'] * 1e3:>10.1f} "
-        f"{row['blend30'] * 1e3:>10.1f} {row['auto'] * 1e3:>9.1f} {row['full'] / row['block']:>9.1f}x "
-        f"{row['full'] / row['blend15']:>11.1f}x {row['full'] / row['auto']:>8.1f}x "
+        f"{row['blend30'] * 1e3:>10.1f} {row['ahead15'] * 1e3:>10.1f} {row['ahead30'] * 1e3:>10.1f} "
+        f"{row['auto'] * 1e3:>9.1f} {row['full'] / row['block']:>9.1f}x "
+        f"{row['full'] / row['blend15']:>11.1f}x {row['full'] / row['ahead15']:>11.1f}x {row['full'] / row['auto']:>8.1f}x "
         f"{row['block'] / row['floor']:>10.2f}x {row['flops_full'] / 1e9:>11.1f} {row['flops_block'] / 1e9:>12.2f} "
-        f"{row['flops_blend15'] / 1e9:>14.1f}"
+        f"{row['flops_blend15'] / 1e9:>14.1f} {row['flops_ahead15'] / 1e9:>14.1f}"
         + (f" {row['peak_memory'] / 2**30:>9.2f}" if "peak_memory" in row else "")
     )
