@@ -34,16 +34,18 @@ def blend_logits(engine, prompt, **settings):
         engine.release(state)
 
 
+@pytest.mark.parametrize("select", ["deviation", "lookahead"])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_blend_endpoints_are_full_and_block(make_engine, tok, arch, device):
+def test_blend_endpoints_are_full_and_block(make_engine, tok, arch, select, device):
     engine = make_engine(arch, device=device)
     prompt = random_prompt(len(tok))
     full, block = question_logits(engine, prompt, "full"), question_logits(engine, prompt, "block")
     tolerance = TOLERANCE[engine.model.dtype]
-    torch.testing.assert_close(blend_logits(engine, prompt, recompute_ratio=1.0), full, rtol=tolerance, atol=tolerance)
-    torch.testing.assert_close(blend_logits(engine, prompt, recompute_ratio=0.0), block, rtol=tolerance, atol=tolerance)
+    at = lambda ratio: blend_logits(engine, prompt, recompute_ratio=ratio, select=select)  # noqa: E731
+    torch.testing.assert_close(at(1.0), full, rtol=tolerance, atol=tolerance)
+    torch.testing.assert_close(at(0.0), block, rtol=tolerance, atol=tolerance)
     # in between the selection pass runs, and the result lies between the two
-    half = blend_logits(engine, prompt, recompute_ratio=0.5)
+    half = at(0.5)
     assert (half[-1] - full[-1]).norm() < (block[-1] - full[-1]).norm()
 
 
@@ -120,19 +122,6 @@ def test_attention_selection_takes_what_the_question_reads_most(make_engine, tok
     got = recomputed(engine, prompt, config)
     assert got.tolist() == expected.tolist()
     assert got.tolist() != recomputed(engine, prompt, BlendConfig(recompute_ratio=0.3, check_layers=(layer,), select="deviation")).tolist()
-
-
-@pytest.mark.parametrize("arch", ARCHS)
-def test_lookahead_endpoints_are_full_and_block(make_engine, tok, arch, device):
-    """Nothing recomputed is block mode, everything is full."""
-    engine = make_engine(arch, device=device)
-    prompt = random_prompt(len(tok))
-    full, block = question_logits(engine, prompt, "full"), question_logits(engine, prompt, "block")
-    tolerance = TOLERANCE[engine.model.dtype]
-    at = lambda ratio: blend_logits(engine, prompt, recompute_ratio=ratio, select="lookahead")  # noqa: E731
-    torch.testing.assert_close(at(1.0), full, rtol=tolerance, atol=tolerance)
-    torch.testing.assert_close(at(0.0), block, rtol=tolerance, atol=tolerance)
-    assert (at(0.5)[-1] - full[-1]).norm() < (block[-1] - full[-1]).norm()
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "llama3-scaled"])
