@@ -119,10 +119,12 @@ def question_attention(family, layer, hidden: torch.Tensor, cos: torch.Tensor, s
     """How much attention the tokens `hidden` (the question) pay each of `keys` [1, kv_heads, n, head_dim]
     on `layer` [heads, tokens, n]; softmax over `keys` alone."""
     attn = layer.self_attn
-    queries = _rotate(family.queries(attn, layer.input_layernorm(hidden)).transpose(1, 2), cos, sin)
-    keys = keys.to(queries.dtype).repeat_interleave(queries.shape[1] // keys.shape[1], dim=1)
-    weights = torch.softmax(queries @ keys.transpose(-1, -2) * getattr(attn, "scaling", attn.head_dim**-0.5), dim=-1)
-    return weights[0]
+    queries = _rotate(family.queries(attn, layer.input_layernorm(hidden)).transpose(1, 2), cos, sin)[0]
+    heads, tokens, dim = queries.shape
+    kv_heads = keys.shape[1]  # each key/value head's query heads stacked as its rows: the keys are read in place
+    rows = queries.reshape(kv_heads, heads // kv_heads * tokens, dim)
+    scores = rows @ keys[0].to(queries.dtype).transpose(-1, -2) * getattr(attn, "scaling", attn.head_dim**-0.5)
+    return torch.softmax(scores, dim=-1).reshape(heads, tokens, -1)
 
 
 @torch.inference_mode()
