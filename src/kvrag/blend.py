@@ -179,7 +179,7 @@ def lookahead(family, decoder, workspace, ids: list[int], context: int) -> torch
     returning the attention it pays each of those tokens [context], summed over the layers, heads and question
     tokens. It writes the question's block-mode KV, which stage two overwrites; the last layer's output is never
     needed. (Summing only the deeper half of the layers, taking the most-reading head, or giving every passage
-    its own share all came out further from full on SQuAD's and the generated dev questions: docs/modes.md.)"""
+    its own share all came out further from full on SQuAD's and the generated dev questions: docs/accuracy.md.)"""
     device, n = workspace.keys.device, len(ids)
     active = torch.arange(context, n, device=device)
     hidden = decoder.embed_tokens(torch.tensor(ids[context:], device=device))[None]
