@@ -115,7 +115,7 @@ def test_bench_runs_a_cut_shape_and_prints_every_column(device, tokenizer_dir, c
     assert PEAK_MEMORY[torch.device(device).type] in lines[2]
     assert lines[3] == MEMORY_HEADER and len(lines) == 5
     row = lines[4].split()
-    assert len(row) == 17  # the 16 columns of every TTFT table, and peak GiB
+    assert len(row) == 21  # the 20 columns of every TTFT table, and peak GiB
     assert int(row[0]) >= 120 and all(float(value.rstrip("x")) > 0 for value in row)
     weights = loading.param_count(shapes.shape_config("llama3.2-1b", 2)) * 2
     assert float(row[-1]) * GiB > weights  # the weights are part of the peak
