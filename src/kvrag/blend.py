@@ -24,13 +24,16 @@ mode's re-encoded ones.
 """
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 from transformers.models.llama.modeling_llama import rotate_half
 
 from . import families
 from .attention import mask as attention_mask
+
+Select = Literal["attention", "deviation", "lookahead"]
+"""How blend mode chooses the passage tokens it recomputes (`BlendConfig.select`); the server takes it per request."""
 
 
 @dataclass(frozen=True)
@@ -63,7 +66,7 @@ class BlendConfig:
     deviation: Literal["keys", "values"] = "keys"
     widen: float = 2.0
     sink_tokens: int = 0
-    select: Literal["attention", "deviation", "lookahead"] = "deviation"
+    select: Select = "deviation"
     coverage: float = 0.9
     least: float = 0.05
     most: float = 0.5
@@ -81,8 +84,8 @@ class BlendConfig:
             raise ValueError(f"widen must be at least 1, got {self.widen}")
         if self.sink_tokens < 0:
             raise ValueError(f"sink_tokens must be >= 0, got {self.sink_tokens}")
-        if self.select not in ("attention", "deviation", "lookahead"):
-            raise ValueError(f"select must be 'attention', 'deviation' or 'lookahead', got {self.select!r}")
+        if self.select not in get_args(Select):
+            raise ValueError(f"select must be one of {', '.join(map(repr, get_args(Select)))}, got {self.select!r}")
         if not 0.0 < self.coverage <= 1.0:
             raise ValueError(f"coverage must be within (0, 1], got {self.coverage}")
         if not 0.0 <= self.least <= self.most <= 1.0:

@@ -45,6 +45,7 @@ from starlette.routing import Match
 
 from kvrag import MODES, ChromaUnavailableError, ContextOverflowError, threads
 from kvrag.errors import QueueFullError, RequestTimeoutError
+from kvrag.blend import Select
 from kvrag.modes import Mode
 
 DEFAULT_MAX_TOKENS = 256
@@ -150,7 +151,7 @@ class KVRagOptions(BaseModel):
     mode: Mode | None = None
     blend_ratio: float | None = Field(default=None, ge=0.0, le=1.0)  # BlendConfig.recompute_ratio, mode blend
     coverage: float | None = Field(default=None, gt=0.0, le=1.0)  # BlendConfig.coverage, mode auto
-    select: Literal["deviation", "attention", "lookahead"] | None = None  # BlendConfig.select, modes blend and auto
+    select: Select | None = None  # BlendConfig.select, modes blend and auto
 
 
 class StreamOptions(BaseModel):
