@@ -125,6 +125,22 @@ def test_questions_in_flight_together_get_the_answers_each_gets_alone(engine, ex
         evaluate(engine, examples, methods, progress=False, concurrency=0)
 
 
+def test_with_document_context_the_harness_indexes_each_passage_after_the_text_before_it(make_engine, examples, tmp_path):
+    """An engine of block context "document" is handed the examples' `preceding` texts when their passages are
+    indexed; its results file records the context, so another context's answers never resume it."""
+    chained = [replace(e, preceding=("",) + e.passages[:-1]) for e in examples[:2]]
+    engine = make_engine("llama", block_context="document", home=tmp_path / "document")
+    path = tmp_path / "r.jsonl"
+    evaluate(engine, chained, ["block"], max_new_tokens=2, results=path, progress=False)
+    last = chained[-1]  # a passage two examples share is indexed after the later one's text
+    ids = engine.layout.passage_ids(last.passages[1])
+    key = engine.blocks.keys(engine.layout.prefix_ids, [ids])[0]
+    assert engine.store.get(key, "document")[0].start == len(engine.layout.passage_ids(last.passages[0]))
+    with pytest.raises(KVRagError, match="differs in: block_context"):
+        evaluate(make_engine("llama", home=tmp_path / "none"), chained, ["block"], max_new_tokens=2, results=path,
+                 progress=False)
+
+
 def test_results_of_another_set_up_are_refused(engine, examples, tmp_path):
     path = tmp_path / "r.jsonl"
     evaluate(engine, examples[:1], ["block"], max_new_tokens=2, results=path, progress=False, dataset={"seed": 0})
@@ -328,20 +344,22 @@ def test_bench_accuracy_compares_modes_on_the_same_weights_on_the_default_model(
             "--plot", str(tmp_path / "curve.png")]
     assert main(argv) == 0
     out = capsys.readouterr().out
-    assert "the published weights, in every mode; 2 questions on examples/heldout" in out
+    assert "the published weights, in every mode, block modes in block context ape; 2 questions on examples/heldout" in out
     assert "the adapter, in every mode; 2 questions on examples/heldout" in out
     paths = [tmp_path / "heldout-published.jsonl", tmp_path / "heldout-adapter.jsonl"]
     settings = [read_results(p)[0] for p in paths]
     assert [s["weights"] for s in settings] == ["published", "adapter"] and all("causal_model" not in s for s in settings)
+    assert [s.get("block_context") for s in settings] == ["ape", None]  # the published weights' block modes read as APE
     assert settings[0]["model"] != settings[1]["model"]
     assert weights_table(paths) in out and "| published weights | examples/heldout | 2 |" in out
     assert "the adapter's full mode − the published weights' full mode" in out and "across weights" in out
-    assert curve_table(paths) in out and curve_table(paths).count("| examples/heldout | blend@0.5 | 0.5 |") == 2
+    assert curve_table(paths) in out and curve_table(paths).count("| examples/heldout | blend@0.5") == 2
     assert "| auto − full |" in weights_table(paths)
     for path in paths:  # auto's share is what its requests chose, within BlendConfig's bounds
         shares = [r.recomputed for r in read_results(path)[1] if r.method == "auto"]
         assert len(shares) == 2 and all(0 < share <= 0.5 + 1e-9 for share in shares)
-        assert f"| auto | {sum(shares) / 2:.2f} (mean) |" in curve_table([path])
+        auto = "auto, ape context" if path == paths[0] else "auto"
+        assert f"| {auto} | {sum(shares) / 2:.2f} (mean) |" in curve_table([path])
     for name in ("published", "adapter", "curve"):  # a plot per weight set, named as the results are, and the curve's
         assert (tmp_path / f"curve-{name}.png").read_bytes().startswith(PNG)
 

@@ -1,5 +1,7 @@
 """kvrag's attention function against SDPA over the explicit mask, on each of the paths it picks."""
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -197,3 +199,40 @@ def test_every_case_runs_on_a_fused_kernel(name, dtype, device, monkeypatch):
     torch.testing.assert_close(out.float(), expected, rtol=tolerance, atol=tolerance)
     for grad, expected_grad in zip(grads, expected_grads, strict=True):
         torch.testing.assert_close(grad.float(), expected_grad, rtol=tolerance, atol=tolerance)
+
+
+def ape_reference(query, key, value, past, first, end, temperature, scale):
+    """APE's attention as its paper writes it: the prefix's, the passages' and the rest's keys each a softmax of
+    its own, the passages' at temperature T, mixed by their log-sum-exps, the passages' one T * LSE + log S.
+    Heads repeated, one query at a time."""
+    groups = query.shape[1] // key.shape[1]
+    key, value = key[0].repeat_interleave(groups, 0), value[0].repeat_interleave(groups, 0)  # [heads, keys, dim]
+    rows = []
+    for i in range(query.shape[2]):
+        scores = torch.einsum("hd,hkd->hk", query[0, :, i], key) * query.shape[-1] ** -0.5
+        parts = [(slice(0, first), 1.0, 0.0), (slice(first, end), temperature, math.log(scale)),
+                 (slice(end, past + i + 1), 1.0, 0.0)]
+        lse = torch.stack([t * (scores[:, s] / t).logsumexp(-1) + shift for s, t, shift in parts], -1)  # [heads, 3]
+        outs = torch.stack([torch.einsum("hk,hkd->hd", (scores[:, s] / t).softmax(-1), value[:, s])
+                            for s, t, _ in parts], 1)  # [heads, 3, dim]
+        rows.append((lse.softmax(-1)[..., None] * outs).sum(1))  # [heads, dim]
+    return torch.stack(rows)[None]  # [1, queries, heads, dim]
+
+
+@pytest.mark.parametrize("n", [5, 70])  # a question, and one longer than a query chunk
+def test_ape_reads_the_passages_as_its_paper_writes_it(n, monkeypatch):
+    monkeypatch.setattr(kernels, "bf16", False)  # plain attention in float32 too, for the last comparison
+    g = torch.Generator().manual_seed(n)
+    past, first, end = 90, 7, 80
+    query = torch.randn(1, 9, n, 64, generator=g)
+    key, value = torch.randn(2, 1, 3, past + n, 64, generator=g)
+    ape = attention.Ape(first, end, 0.8, 0.7)
+    out, _ = grouped_sdpa_attention(None, query, key, value, causal_mask(n, past, torch.float32), kvrag_cached=past,
+                                    kvrag_ape=ape)
+    expected = ape_reference(query, key, value, past, first, end, 0.8, 0.7)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    plain, _ = grouped_sdpa_attention(None, query, key, value, causal_mask(n, past, torch.float32), kvrag_cached=past)
+    assert (out - plain).abs().max() > 1e-3  # it is not plain attention
+    same, _ = grouped_sdpa_attention(None, query, key, value, causal_mask(n, past, torch.float32), kvrag_cached=past,
+                                     kvrag_ape=attention.Ape(first, end, 1.0, 1.0))
+    torch.testing.assert_close(same, plain, rtol=1e-5, atol=1e-5)  # T = S = 1 is plain attention

@@ -51,9 +51,9 @@ def test_every_option_has_help_text_and_shows_its_default():
     [
         (["ask"], ["--mode", "composite keeps encode positions (default: full; docs/accuracy.md says why)", "--top-k TOP_K",
                    "passages retrieved for the question (default: 4)", "longest answer in tokens (default: 128)",
-                   "--block-context {none,prefix}", "(default: none)"]),
-        (["index"], ["longest passage in tokens (default: 200)", "--block-context {none,prefix}", "(default: none)"]),
-        ([], ["--block-context {none,prefix}", "(default: none)", "--adapter-scope {block,all}", "(default: all)"]),
+                   "--block-context {auto,none,prefix,ape,document}", "(default: auto)"]),
+        (["index"], ["longest passage in tokens (default: 200)", "--block-context {auto,none,prefix,ape,document}", "(default: auto)"]),
+        ([], ["--block-context {auto,none,prefix,ape,document}", "(default: auto)", "--adapter-scope {block,all}", "(default: all)"]),
         (["bench", "accuracy"], ["(default: full,map_reduce,map_rerank,block,blend,composite; in other prompt layouts "
                                   "full,block,blend)", "needs matplotlib", "or 'all': kvrag, langchain-rag-prompt"]),
         (["finetune"], ["optimizer steps (default: 170)", "peak learning rate (default: 0.0005)"]),
@@ -69,7 +69,7 @@ def test_help_texts(argv, expected, capsys):
 
 def test_model_options_are_taken_before_or_after_the_command():
     parse = build_parser().parse_args
-    assert parse(["ask", "q"]).block_context == "none"
+    assert parse(["ask", "q"]).block_context == "auto"
     assert parse(["ask", "q", "--block-context", "prefix"]).block_context == "prefix"
     assert parse(["--block-context", "prefix", "ask", "q"]).block_context == "prefix"  # not undone by the command's
     assert parse(["--adapter", "none", "index", "docs", "--home", "h"]).adapter == "none"
@@ -256,6 +256,32 @@ def test_cli_refuses_a_non_utf8_file_and_indexes_nothing(tmp_path, capsys):
     assert main(["--home", str(home), "index", str(docs)]) == 2
     assert "bad.txt is not UTF-8" in capsys.readouterr().err
     assert not home.exists()  # checked before the model was even loaded: no KV, no Chroma collection
+
+
+def test_index_with_document_context_encodes_each_passage_after_the_one_before_it_in_its_file(
+        tmp_path, saved_model_and_adapter, capsys):
+    """`kvrag --block-context document index`: a file's passages after the passage before them in the file, each
+    file's first alone (their blocks start where that text ends, or at 0)."""
+    from kvrag import KVEngine
+    from kvrag.app.split import read_text, split_passages
+
+    model_dir, _ = saved_model_and_adapter
+    options = ["--model", str(model_dir), "--adapter", "none", "--device", "cpu", "--home", str(tmp_path / "home"),
+               "--block-context", "document"]
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "a.txt").write_text("\n\n".join(PASSAGES))
+    (docs / "b.txt").write_text(PASSAGES[0] + " Again.")
+    assert main([*options, "index", str(docs), "--max-tokens", "24"]) == 0
+    assert "passages from 2 files" in capsys.readouterr().out
+    engine = KVEngine.from_pretrained(str(model_dir), adapter=None, device="cpu", home=tmp_path / "home",
+                                      block_context="document", warm_up=False)
+    count = lambda text: len(engine.layout.encode(text))  # noqa: E731
+    for name in ("a.txt", "b.txt"):
+        ids = [engine.layout.passage_ids(p) for p in split_passages(read_text(docs / name), count, 24)]
+        keys = engine.blocks.keys(engine.layout.prefix_ids, ids)
+        assert len(ids) >= (2 if name == "a.txt" else 1)
+        assert [engine.store.get(key, "document")[0].start for key in keys] == [0] + [len(i) for i in ids[:-1]]
 
 
 def test_errors_a_user_can_cause_are_one_line_naming_the_path(tmp_path, saved_model_and_adapter, capsys):

@@ -62,14 +62,14 @@ def meet(name):
         time.sleep(0.01)
 
 encode_many = Blocks.encode_many
-def counted(self, ids_list, after=None):
+def counted(self, ids_list, *args, **kwargs):
     for ids in ids_list:
         with open(log, "a") as f:
             f.write(f"{os.getpid()}:{' '.join(map(str, ids))}\\n")
         if die and sum(1 for _ in open(log)) >= die:
             os._exit(3)
     time.sleep(0.1)
-    return encode_many(self, ids_list, after)
+    return encode_many(self, ids_list, *args, **kwargs)
 Blocks.encode_many = counted
 
 index = KVEngine.index

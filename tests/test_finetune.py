@@ -266,7 +266,7 @@ def test_an_adapter_changes_the_fingerprint_and_the_answers(make_engine, tok, tm
     base = tmp_path / "base"
     tiny_model(tiny_configs(len(tok))["llama"]).save_pretrained(base)
     tok.save_pretrained(base)
-    engine = KVEngine.from_pretrained(str(base), home=tmp_path / "home")
+    engine = KVEngine.from_pretrained(str(base), home=tmp_path / "home", block_context="none")  # what adapters train in
     adapter = train(engine, [encode(engine, QUESTION, PASSAGES, ANSWER)], tmp_path / "tuned",
                     TrainConfig(steps=2, accumulate=1, learning_rate=5e-2, lora_dropout=0.0), progress=False)
     plain = KVEngine.from_pretrained(str(base), home=tmp_path / "home")
@@ -275,6 +275,8 @@ def test_an_adapter_changes_the_fingerprint_and_the_answers(make_engine, tok, tm
     assert not any("lora" in name for name, _ in tuned.model.named_parameters())  # merged: plain modules again
     # docs/accuracy.md's default mode: no reusing mode kept full's answers, with an adapter or without
     assert (plain.default_mode, tuned.default_mode) == ("full", "full")
+    # docs/closer-to-full.md's block context: APE's recipe on published weights, the adapter's own context with it
+    assert (plain.block_context, tuned.block_context) == ("ape", "none")
     assert KVEngine.from_pretrained(str(base), home=tmp_path / "home", default_mode="auto").default_mode == "auto"
     prompt, _ = plain.build_prompt(QUESTION, PASSAGES)
     assert not torch.allclose(question_logits(tuned, prompt, "block"), question_logits(plain, prompt, "block"))
@@ -290,7 +292,7 @@ def test_the_adapter_serves_the_block_modes_and_the_published_weights_the_causal
     base = tmp_path / "base"
     tiny_model(tiny_configs(len(tok))["llama"]).save_pretrained(base)
     tok.save_pretrained(base)
-    kw = {"home": tmp_path / "home", "storage_dtype": torch.float32}
+    kw = {"home": tmp_path / "home", "storage_dtype": torch.float32, "block_context": "none"}
     plain = KVEngine.from_pretrained(str(base), **kw)
     adapter = train(plain, [encode(plain, QUESTION, PASSAGES, ANSWER)], tmp_path / "tuned",
                     TrainConfig(steps=2, accumulate=1, learning_rate=5e-2, lora_dropout=0.0), progress=False)

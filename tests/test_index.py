@@ -235,9 +235,9 @@ def _spy_encode(monkeypatch, engine) -> list:
     calls = []
     real = engine.blocks.encode_many
 
-    def spy(ids_list, after=None):
+    def spy(ids_list, *args, **kwargs):
         calls.extend(list(ids) for ids in ids_list if list(ids) not in (engine.layout.prefix_ids, engine.layout.separator_ids))
-        return real(ids_list, after)
+        return real(ids_list, *args, **kwargs)
 
     monkeypatch.setattr(engine.blocks, "encode_many", spy)
     return calls
@@ -278,8 +278,8 @@ def test_packed_indexing_stores_the_blocks_one_at_a_time_would(tmp_path, tok, mo
     packed = new_engine(model0, tok, tmp_path / "packed", block_context=block_context)
     forwards = []
     real = packed.blocks.encode_many
-    monkeypatch.setattr(packed.blocks, "encode_many", lambda ids_list, after=None: forwards.append(len(ids_list))
-                        or real(ids_list, after))
+    monkeypatch.setattr(packed.blocks, "encode_many", lambda ids_list, *args, **kwargs:
+                        forwards.append(len(ids_list)) or real(ids_list, *args, **kwargs))
     texts = PASSAGES + MANY[:6]
     assert alone.index(texts, progress=False, pack_tokens=0) == packed.index(texts, progress=False, pack_tokens=64)
     passages = [n for n in forwards if n > 1]
@@ -292,6 +292,37 @@ def test_packed_indexing_stores_the_blocks_one_at_a_time_would(tmp_path, tok, mo
         torch.testing.assert_close(b.values, a.values, atol=1e-5, rtol=1e-4)
     answer = lambda engine: engine.generate(QUESTION, PASSAGES, max_new_tokens=6).token_ids
     assert answer(alone) == answer(packed)
+
+
+def test_document_context_encodes_each_passage_after_the_text_before_it(tmp_path, tok, model0):
+    """Block context "document": a passage indexed with the text before it in its document is encoded after that
+    text, and only its own KV is kept (keys as encoded, at the positions after the text); a passage without one,
+    or never indexed, is encoded alone. One passage per forward and several give the same blocks."""
+    texts = PASSAGES + MANY[:4]
+    preceding = [None, *texts[:-1]]  # each after the one before, as one file's passages
+    engines = [new_engine(model0, tok, tmp_path / name, block_context="document") for name in ("alone", "packed")]
+    for engine, pack in zip(engines, (0, 64)):
+        engine.index(texts, progress=False, pack_tokens=pack, preceding=preceding)
+    engine = engines[0]
+    for text, before in zip(texts, preceding):
+        ids = engine.layout.passage_ids(text)
+        lead = engine.layout.passage_ids(before) if before else []
+        with torch.no_grad():
+            kv = model0(torch.tensor([lead + ids]), use_cache=True).past_key_values
+        key = engine.blocks.keys(engine.layout.prefix_ids, [ids])[0]
+        for stored in (e.store.get(key, "document")[0] for e in engines):
+            assert stored.token_ids.tolist() == ids and stored.start == len(lead)
+            for got, layers in ((stored.keys, [layer.keys for layer in kv.layers]),
+                                (stored.values, [layer.values for layer in kv.layers])):
+                expected = torch.cat(layers)[:, :, len(lead):]  # [layers, kv_heads, n, head_dim]
+                torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
+    none = new_engine(model0, tok, tmp_path / "none")
+    assert engine.generate(QUESTION, PASSAGES[:1], max_new_tokens=4).token_ids == \
+        none.generate(QUESTION, PASSAGES[:1], max_new_tokens=4).token_ids  # the first passage: alone, as 'none'
+    with pytest.raises(ValueError, match="block_context='document'"):
+        none.index(texts, preceding=preceding)
+    with pytest.raises(ValueError, match="2 preceding texts for 7 passages"):
+        engine.index(texts, preceding=preceding[:2])
 
 
 def test_bench_index_times_indexing_beside_a_plain_batched_forward(saved_model_and_adapter, tmp_path, capsys):

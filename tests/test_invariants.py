@@ -8,6 +8,7 @@ from transformers import DynamicCache
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from kvrag import KVEngine, Prompt, UnsupportedModelError
+from kvrag import attention
 from kvrag.attention import causal_mask
 
 LENGTHS = [7, 13, 9, 11, 6]  # prefix, three passages, question
@@ -97,6 +98,46 @@ def test_prefix_block_context_matches_its_definition(make_engine, tok, arch, dev
     # and it really is a different definition from block context 'none'
     none = make_engine(arch, device=device, home=engine.home / "none")
     assert (question_logits(none, prompt, "block").cpu() - reference).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_ape_block_context_is_prefix_encoding_read_at_apes_temperature(make_engine, tok, arch, device):
+    """Block context 'ape': passages encoded after the engine's own prefix, as 'prefix' encodes them, and read by
+    the question and every later token with APE's temperature and scale (attention.py's `_ape`, checked against
+    the paper's formula in test_attention.py); at T = S = 1 it is 'prefix'."""
+    ape = make_engine(arch, device=device, block_context="ape")
+    prefix = make_engine(arch, device=device, block_context="prefix", home=ape.home / "prefix")
+    parts = random_prompt(len(tok))
+    prompt = Prompt(list(ape.layout.prefix_ids), parts.blocks, parts.question)
+    read = question_logits(ape, prompt, "block")
+    ape.blocks.ape = (1.0, 1.0)
+    assert_equal_logits(question_logits(ape, prompt, "block"), question_logits(prefix, prompt, "block").cpu())
+    assert (read - question_logits(ape, prompt, "block")).abs().max() > 1e-3
+    ape.blocks.ape = attention.APE_READING
+    # a token decoded after the question reads the passages as the question did: as if it had been part of it
+    shorter = Prompt(prompt.prefix, prompt.blocks, prompt.question[:-1])
+    state = ape.prefill(shorter, "block", extra_capacity=2)
+    try:
+        with torch.inference_mode():
+            step = attention.forward(ape.model, prompt.question[-1:], state.cache, state.next_position)
+    finally:
+        ape.release(state)
+    assert_equal_logits(step, read[-1:].cpu())
+
+
+def test_ape_reuses_indexed_passages_when_the_question_comes_first(make_engine, tmp_path):
+    """'ape' encodes every passage after the engine's own prefix, so a rendered prompt whose question comes before
+    its passages (LangChain's rag-prompt) reads the KV that `index` stored; 'prefix' encodes them after that
+    prompt's own prefix, question included, so it cannot."""
+    texts = ["The river Olm freezes every winter.", "Ilsa Brandt built the lighthouse in 1873."]
+    text = "Question: Who built the lighthouse?\nContext:\n\n" + "\n\n".join(texts) + "\n\nAnswer:"
+    for context, reused in (("ape", True), ("prefix", False)):
+        engine = make_engine(block_context=context, home=tmp_path / context)
+        ids = engine.index(texts)
+        _, keys = engine.prompt_from_text(text)
+        assert (set(ids) <= {f"kv_{k}" for k in keys}) == reused
+        result = engine.generate_text(text, mode="block", max_new_tokens=2)
+        assert (result.reused_tokens > 0) == reused
 
 
 @pytest.mark.parametrize("arch", ARCHS)

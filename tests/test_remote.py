@@ -51,7 +51,7 @@ def count_encodings(engine, monkeypatch) -> list:
     calls = []
     encode_many = engine.blocks.encode_many
     monkeypatch.setattr(engine.blocks, "encode_many",
-                        lambda ids_list, after=None: calls.extend(ids_list) or encode_many(ids_list, after))
+                        lambda ids_list, *args, **kwargs: calls.extend(ids_list) or encode_many(ids_list, *args, **kwargs))
     return calls
 
 

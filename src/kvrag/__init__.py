@@ -10,6 +10,7 @@ _WHERE = {
     "GenerationResult": "decode",
     "GenerationStream": "decode",
     "KVEngine": "engine",
+    "preceding_in_documents": "engine",
     "ChromaUnavailableError": "errors",
     "QueueFullError": "errors",
     "RequestTimeoutError": "errors",

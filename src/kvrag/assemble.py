@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from . import families, kernels
-from .attention import forward, forward_packed
+from .attention import APE_READING, forward, forward_packed
 from .rope import delta_cos_sin, shift_keys
 from .store import BadBlock, KVBlock, KVStore
 from .workspace import Workspace, WorkspacePool
@@ -55,11 +55,19 @@ class Blocks:
     """One weight set's blocks: their store, how they are encoded, and how a prompt's are assembled.
 
     `block_context` "none" encodes a passage alone (Block-Attention); "prefix" encodes it after the
-    prompt's prefix, which then becomes part of its key (every block shares that attention sink)."""
+    prompt's prefix, which then becomes part of its key (every block shares that attention sink); "ape" after
+    `shared_prefix` (the engine's own prompt prefix, whatever the prompt's is, so that a prompt whose question
+    comes first still reuses it), and block mode's question and answer read the passages at APE's temperature
+    and scale (`ape`: (T, S), see attention.py): APE's whole recipe; "document" encodes a passage indexed with
+    the text before it in its document after that text (`encode_many`'s `leads`), keeping the passage's KV
+    alone (FusionRAG's context at indexing), and any other passage alone."""
 
-    def __init__(self, model, store: KVStore, pool: WorkspacePool, storage_dtype: torch.dtype, block_context: str):
+    def __init__(self, model, store: KVStore, pool: WorkspacePool, storage_dtype: torch.dtype, block_context: str,
+                 shared_prefix: list[int] | None = None):
         self.model, self.store, self.pool = model, store, pool
         self.storage_dtype, self.block_context = storage_dtype, block_context
+        self.shared_prefix = list(shared_prefix or [])
+        self.ape = APE_READING if block_context == "ape" else None
         self.inv_freq = families.family(model.config).inv_freq(model)
         self._prefixes_seen: OrderedDict[str, None] = OrderedDict()  # prefixes computed once, kept in memory only
         self._seen_lock = threading.Lock()
@@ -78,12 +86,17 @@ class Blocks:
             return False
 
     def encoded_after(self, prefix: list[int]) -> list[int] | None:
-        """What passage blocks are encoded after: nothing, or the prefix."""
+        """What passage blocks are encoded after: nothing, the prefix, or (ape) the shared one."""
+        if self.block_context == "ape":
+            return self.shared_prefix or None
         return prefix if self.block_context == "prefix" and prefix else None
 
     def context(self, prefix: list[int]) -> str:
         """Block context string: part of every passage block's key."""
-        return f"prefix:{self.store.key('none', prefix)}" if self.encoded_after(prefix) else "none"
+        after = self.encoded_after(prefix)
+        if after:
+            return f"prefix:{self.store.key('none', after)}"
+        return "document" if self.block_context == "document" else "none"
 
     def keys(self, prefix: list[int], blocks: list[list[int]]) -> list[str]:
         context = self.context(prefix)
@@ -95,21 +108,26 @@ class Blocks:
         return self.encode_many([ids], after)[0]
 
     @torch.inference_mode()
-    def encode_many(self, ids_list: list[list[int]], after: list[int] | None = None) -> list[KVBlock]:
+    def encode_many(self, ids_list: list[list[int]], after: list[int] | None = None,
+                    leads: list[list[int]] | None = None) -> list[KVBlock]:
         """`encode` of several passages in one forward (`forward_packed`, each in its own workspace and
-        attending to itself alone): on a GPU the linear layers then see all their tokens at once."""
+        attending to itself alone): on a GPU the linear layers then see all their tokens at once. `leads`: the
+        tokens each passage is encoded after, computed with it and not kept (block context "document")."""
+        leads = leads or [[] for _ in ids_list]
         workspaces = []
         try:
-            for ids in ids_list:
-                workspaces.append(self.pool.acquire(len(after or ()) + len(ids)))
+            for ids, lead in zip(ids_list, leads, strict=True):
+                workspaces.append(self.pool.acquire(len(after or ()) + len(lead) + len(ids)))
             starts = [self._place_after(ws, after) for ws in workspaces]
+            runs = [lead + ids for lead, ids in zip(leads, ids_list)]
             if len(ids_list) == 1:
-                forward(self.model, ids_list[0], workspaces[0].cache(starts[0]), starts[0], keep=-1,
+                forward(self.model, runs[0], workspaces[0].cache(starts[0]), starts[0], keep=-1,
                         causal_only=not starts[0])
             else:
-                forward_packed(self.model, [(ids, ws.cache(start), start)
-                                            for ids, ws, start in zip(ids_list, workspaces, starts)])
-            return [self.copy_out(ws, start, ids) for ids, ws, start in zip(ids_list, workspaces, starts)]
+                forward_packed(self.model, [(run, ws.cache(start), start)
+                                            for run, ws, start in zip(runs, workspaces, starts)])
+            return [self.copy_out(ws, start + len(lead), ids)
+                    for ids, lead, ws, start in zip(ids_list, leads, workspaces, starts)]
         finally:
             for ws in workspaces:
                 self.pool.release(ws)

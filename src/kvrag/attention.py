@@ -12,6 +12,9 @@ a question over a long cache goes to the C kernel of `kernels.py` where it appli
 after a few cached keys to flash attention's causal path; any other mask (blend, training) is read
 as given.
 
+A cache that carries `kvrag_ape` (block mode with `block_context="ape"`) has the tokens after its
+passages read them as APE has them (`_ape`), on any device.
+
 On CUDA every case goes to a fused kernel (`_fused`) that reads the grouped heads in place. Under
 the plain causal pattern a single query (decoding) needs no mask, and a longer run (a question, prefix
 mode's rest) goes to flash attention, aligned to the bottom-right corner through `causal_lower_right`.
@@ -19,6 +22,9 @@ Any other mask (blend's recompute, fine-tuning's blocks), and whatever flash doe
 goes to memory-efficient attention, which reads masks, with the query heads of each key/value head
 stacked as its query rows (`_folded`) so that the head counts match.
 """
+
+import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -33,9 +39,22 @@ NAME = "kvrag_sdpa"
 QUERY_CHUNK = 64
 FUSED_DEVICES = {"cuda"}
 """Devices whose attention runs through `_fused`; the tests add "cpu" to check its tensor logic there."""
+APE_READING = (0.9, 0.5)
+"""APE's attention temperature and scale factor, (T, S), as `block_context="ape"` reads passages (docs/modes.md)."""
 MASK_ALIGNMENT = 16
 """Memory-efficient attention reads a mask whose rows start at multiples of this many elements; SDPA pads a copy
 of any other."""
+
+
+@dataclass(frozen=True)
+class Ape:
+    """Where a cache's parallel-encoded passages lie (slots first..end) and how the tokens after them read them:
+    APE's attention temperature and scale factor (Yang et al., ICLR 2025, arXiv 2502.05431)."""
+
+    first: int
+    end: int
+    temperature: float
+    scale: float
 
 
 def mask(positions: torch.Tensor, keys: int, dtype: torch.dtype, blocks: torch.Tensor | None = None) -> torch.Tensor:
@@ -65,7 +84,8 @@ def forward(model, ids: list[int], cache, start: int, keep: int = 1, causal_only
     device = model.device
     ids_t = torch.tensor([ids], device=device)
     positions = torch.arange(start, start + len(ids), device=device)[None]
-    extra = {} if causal_only else {"attention_mask": causal_mask(len(ids), start, model.dtype, device), "kvrag_cached": start}
+    extra = {} if causal_only else {"attention_mask": causal_mask(len(ids), start, model.dtype, device), "kvrag_cached": start,
+                                    "kvrag_ape": getattr(cache, "kvrag_ape", None)}
     if keep < 0:
         return model.get_decoder()(input_ids=ids_t, position_ids=positions, cache=cache, **extra)
     return model(input_ids=ids_t, position_ids=positions, cache=cache, logits_to_keep=keep, **extra).logits[0]
@@ -93,7 +113,7 @@ class Packed:
         for cache, start, mask, (a, b) in zip(self.caches, self.starts, self.masks, self.spans):
             layer = cache.layers[module.layer_idx]
             out, _ = grouped_sdpa_attention(module, query[:, :, a:b], layer.keys, layer.values, mask, dropout,
-                                            scaling, kvrag_cached=start)
+                                            scaling, kvrag_cached=start, kvrag_ape=getattr(cache, "kvrag_ape", None))
             outs.append(out)
         return torch.cat(outs, dim=1)
 
@@ -113,13 +133,16 @@ def forward_packed(model, runs: list[tuple[list[int], object, int]]) -> torch.Te
 
 
 def grouped_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
-                           kvrag_cached=None, kvrag_packed=None, **kwargs):
+                           kvrag_cached=None, kvrag_packed=None, kvrag_ape=None, **kwargs):
     """`kvrag_cached`: the number of cached keys before the queries, given only where `attention_mask` is
-    `causal_mask`'s (see `forward`). `kvrag_packed`: several requests' runs (see `Packed`)."""
+    `causal_mask`'s (see `forward`). `kvrag_packed`: several requests' runs (see `Packed`). `kvrag_ape`: the
+    cache's passages and how the queries after them read them (`Ape`)."""
     if kvrag_packed is not None:
         return kvrag_packed.attend(module, query, dropout, scaling), None
     q_len, kv_len = query.shape[2], key.shape[2]
     after_cache = kvrag_cached == kv_len - q_len and not dropout
+    if after_cache and kvrag_ape is not None and kvrag_ape.end <= kvrag_cached:
+        return _ape(query, key, value, kvrag_cached, kvrag_ape, scaling or query.shape[-1] ** -0.5), None
     if after_cache and kernels.attention_applies(query, key, value):
         lib = kernels.library()
         if lib:
@@ -142,6 +165,35 @@ def grouped_sdpa_attention(module, query, key, value, attention_mask, dropout=0.
         chunks = [slice(start, min(start + QUERY_CHUNK, q_len)) for start in range(0, q_len, QUERY_CHUNK)]
         out = torch.cat([_rows(query, key, value, attention_mask, rows, options) for rows in chunks], dim=2)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _ape(query, key, value, past: int, ape: Ape, scale: float) -> torch.Tensor:
+    """Causal attention of queries after `past` cached keys in which the passages' keys (slots ape.first..ape.end)
+    are read as APE reads them; [batch, queries, heads, dim].
+
+    APE splits a query's attention into the prefix's, the passages' and the rest's, each a softmax of its own,
+    and mixes them by their log-sum-exps, the passages' taken at temperature T (their scores divided by T),
+    multiplied back by T and shifted by log S. That is one softmax in which the passages' scores are divided by
+    T and shifted, per query, by log S + (T - 1) * LSE(scores / T): their share of the attention becomes
+    S * exp(T * LSE(scores / T)) against the others' unchanged exp(LSE). T = S = 1 is plain attention. Sharper
+    (T < 1) and scaled down (S < 1), the passages encoded apart stop drawing more attention together than they
+    would in one sequence. Scores in float32 (a cache in another dtype is read as a float32 copy), the query
+    heads of each key/value head stacked, QUERY_CHUNK queries at a time."""
+    batch, heads, q_len, dim = query.shape
+    kv_heads, keys = key.shape[1], key.shape[2]
+    grouped = query.unflatten(1, (kv_heads, heads // kv_heads)).float()  # [batch, kv_heads, groups, queries, dim]
+    key_t, values = key[:, :, None].float().transpose(-1, -2), value[:, :, None].float()
+    span, shift = slice(ape.first, ape.end), math.log(ape.scale)
+    outs = []
+    for start in range(0, q_len, QUERY_CHUNK):
+        rows = torch.arange(past + start, past + min(start + QUERY_CHUNK, q_len), device=query.device)
+        scores = grouped[..., start : start + len(rows), :] @ key_t * scale
+        passages = scores[..., span] / ape.temperature
+        scores[..., span] = passages + (shift + (ape.temperature - 1) * passages.logsumexp(-1, keepdim=True))
+        scores.masked_fill_(torch.arange(keys, device=query.device) > rows[:, None], float("-inf"))
+        outs.append(scores.softmax(-1) @ values)
+    out = torch.cat(outs, dim=-2).flatten(1, 2)  # [batch, heads, queries, dim]
+    return out.transpose(1, 2).to(query.dtype).contiguous()
 
 
 def _causal_after(query, key, value, past: int, options) -> torch.Tensor:

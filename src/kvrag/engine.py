@@ -45,7 +45,28 @@ UNREUSED_WARNING_TOKENS = 64
 DEFAULT_MODE = "full"
 """The mode of requests that name none: by docs/accuracy.md's rule no reusing mode keeps full's accuracy on the
 default model, with its shipped adapter or without; an engine whose weights hold it passes its own."""
-BLOCK_CONTEXTS = ("none", "prefix")
+BLOCK_CONTEXTS = ("none", "prefix", "ape", "document")
+PUBLISHED_BLOCK_CONTEXT = "ape"
+"""`from_pretrained`'s block context for weights without a block-tuned adapter, chosen by the rule in issue #99's
+note (docs/closer-to-full.md); with an adapter "none", the context adapters are tuned in."""
+DOCUMENT_LEAD = 256
+"""Tokens of the text before a passage in its document that block context "document" encodes it after, at most."""
+
+
+def chosen_block_context(block_context: str, adapter) -> str:
+    """`block_context`, "auto" resolved: PUBLISHED_BLOCK_CONTEXT for weights as published, "none" with `adapter`."""
+    if block_context != "auto":
+        return block_context
+    return "none" if adapter else PUBLISHED_BLOCK_CONTEXT
+
+
+def preceding_in_documents(texts: list[str], documents: list) -> list[str | None]:
+    """`KVEngine.index`'s `preceding` for passages given in their documents' order: each text's predecessor where it
+    follows a text of the same document (`documents[i]`, its source; None: unknown), else None."""
+    return [texts[i - 1] if i and doc is not None and documents[i - 1] == doc else None
+            for i, doc in enumerate(documents)]
+
+
 _BLOCK_ID = re.compile(r"^kv_([0-9a-f]{32})$")
 _SHARED: dict = {}
 _SHARED_LOCK = threading.Lock()
@@ -62,7 +83,9 @@ class KVEngine:
                  learn_prompts: int = LEARN_PROMPTS):
         """`causal_model`: other weights for the causal modes (full, prefix), say the published ones when
         `model` carries a block-tuned adapter (default: `model` in every mode). The engine runs on the
-        model's device. `storage_dtype`: the stored KV's (default: the model's half dtype, else float16).
+        model's device. `block_context`: what a passage is encoded after and how block mode reads it, one of
+        BLOCK_CONTEXTS (see assemble.Blocks; "none", Block-Attention's exact definition, by default here).
+        `storage_dtype`: the stored KV's (default: the model's half dtype, else float16).
         `memory_budget`: bytes of KV kept in (host) memory; `device_budget`: bytes kept on the GPU besides,
         the most used blocks (each per weight set). `fingerprint`, `causal_fingerprint`: the models'
         `loading.fingerprint`s, when known (computed otherwise). `blend`: the default of blend mode's
@@ -104,7 +127,7 @@ class KVEngine:
         self.scheduler = Scheduler(max_batch, max_queue)
         self.pool = WorkspacePool(config.num_hidden_layers, config.num_key_value_heads, families.head_dim(config),
                                   model.dtype, model.device, keep=max(2, max_batch))
-        self.blocks = Blocks(self.model, self.store, self.pool, storage_dtype, block_context)
+        self.blocks = Blocks(self.model, self.store, self.pool, storage_dtype, block_context, self.layout.prefix_ids)
         self.causal_model, self.causal_fingerprint, self.causal_store = self.model, self.fingerprint, self.store
         self.causal_blocks = self.blocks
         if causal_model is not None and causal_model is not model:
@@ -113,7 +136,8 @@ class KVEngine:
             self.causal_fingerprint = causal_fingerprint or loading.fingerprint(causal_model, tokenizer)
             causal_root = self.home / "kv" / self.causal_fingerprint[:16] if persist else None
             self.causal_store = KVStore(self.causal_fingerprint, causal_root, device=causal_model.device, **tiers)
-            self.causal_blocks = Blocks(self.causal_model, self.causal_store, self.pool, storage_dtype, block_context)
+            self.causal_blocks = Blocks(self.causal_model, self.causal_store, self.pool, storage_dtype, block_context,
+                                        self.layout.prefix_ids)
         self.passages = PassageMatcher(root / "passages.sqlite" if root is not None else None, remote=self.remote)
         self.eos_ids = loading.eos_ids(model, tokenizer)
         self.blend = self._check_blend(blend or BlendConfig())
@@ -131,6 +155,7 @@ class KVEngine:
         dtype: str | torch.dtype | None = "auto",
         adapter: str | Path | None = "auto",
         adapter_scope: str = "all",
+        block_context: str = "auto",
         warm_up: bool = True,
         **kwargs,
     ):
@@ -148,10 +173,12 @@ class KVEngine:
         serves. "block" uses it only in the modes with block attention (block, composite, blend), what it
         was tuned for, and the published weights in the causal modes (full, prefix); the weights the adapter
         leaves alone (embeddings, norms) are shared, the rest held twice.
+        `block_context`: see `KVEngine`; "auto" (the default) is PUBLISHED_BLOCK_CONTEXT for weights as published
+        and "none" with an adapter, which block fine-tuning tunes in that context.
         `warm_up`: answer one tiny request before returning (`warm_up()`), so the first user's does not pay for
         torch's first calls.
         """
-        engine = cls._load(model, device, dtype, adapter, adapter_scope, **kwargs)
+        engine = cls._load(model, device, dtype, adapter, adapter_scope, block_context=block_context, **kwargs)
         if warm_up:
             engine.warm_up()
         return engine
@@ -168,6 +195,7 @@ class KVEngine:
 
         if adapter == "auto":
             adapter = loading.DEFAULT_ADAPTER if model is None else None
+        kwargs["block_context"] = chosen_block_context(kwargs["block_context"], adapter)
         if adapter is None:
             return cls(lm, tokenizer, fingerprint=fingerprint(lm), **kwargs)
         if adapter_scope == "all":
@@ -218,13 +246,15 @@ class KVEngine:
     # ---- index: passages -> blocks in the store ------------------------------------------------------
 
     def index(self, texts: Iterable[str], *, progress: bool = True, names: Iterable[str] | None = None,
-              pack_tokens: int | None = None) -> list[str]:
+              pack_tokens: int | None = None, preceding: Iterable[str | None] | None = None) -> list[str]:
         """Compute and store the KV of every passage that is not stored yet; return their block ids.
 
         Every passage is checked before anything is computed, so a bad one stores nothing. `names`
         label the passages in error messages (default "passage 0", "passage 1", ...). `pack_tokens`: how
         many tokens of passages one forward encodes together (default `_pack_tokens()`: 1024 on a CPU, what a
-        quarter of a GPU's free memory holds there; 0: one passage per forward).
+        quarter of a GPU's free memory holds there; 0: one passage per forward). `preceding`: with
+        block_context "document", the text before each passage in its document (the passage before it, or the
+        document's title; None: nothing), whose last DOCUMENT_LEAD tokens the passage is encoded after.
         """
         threads.adapt()
         texts = list(texts) if not isinstance(texts, str) else [texts]
@@ -236,9 +266,11 @@ class KVEngine:
         ids_list = [self.layout.passage_ids(t) for t in texts]
         for name, ids in zip(names, ids_list):
             self._check_fits(len(prefix) + len(ids), name)
+        leads = self._leads(preceding, ids_list)
         context, after = self.blocks.context(prefix), self.blocks.encoded_after(prefix)
         keys = self.blocks.keys(prefix, ids_list)
         todo = {k: ids for k, ids in zip(keys, ids_list) if k not in self.store}
+        lead_of = dict(zip(keys, leads))
         shared = [(self.store.key("none", prefix), "none", prefix, None)]  # every request starts with it
         if separator := self.layout.separator_ids:  # and every request with two passages has it
             shared.append((self.store.key(context, separator), context, separator, after))
@@ -262,7 +294,7 @@ class KVEngine:
                             if claimed and key not in self.store:
                                 claims.enter_context(held)  # released once the group is stored
                                 group.append((key, ids))
-                                tokens += len(ids)
+                                tokens += len(ids) + len(lead_of[key])
                                 continue
                             held.close()
                             if claimed:  # stored by another process since `todo` was made
@@ -270,7 +302,8 @@ class KVEngine:
                             else:
                                 busy[key] = ids
                         if group:
-                            blocks = self.blocks.encode_many([ids for _, ids in group], after)
+                            blocks = self.blocks.encode_many([ids for _, ids in group], after,
+                                                             [lead_of[key] for key, _ in group])
                             for (key, _), block in zip(group, blocks):
                                 self.store.put(key, context, block, strict=True)
                     encoded += tokens
@@ -280,6 +313,24 @@ class KVEngine:
         self._known.update(zip(keys, ids_list))
         self.passages.add(texts)
         return [f"kv_{k}" for k in keys]
+
+    def _leads(self, preceding, ids_list: list[list[int]]) -> list[list[int]]:
+        """The tokens each passage is encoded after (`index`'s `preceding`), checked; within the context window."""
+        n = len(ids_list)
+        if preceding is None:
+            return [[] for _ in range(n)]
+        if self.block_context != "document":
+            raise ValueError(f"preceding texts are read with block_context='document' only (this engine's is "
+                             f"{self.block_context!r})")
+        preceding = list(preceding)
+        if len(preceding) != n:
+            raise ValueError(f"{len(preceding)} preceding texts for {n} passages")
+        leads = []
+        for i, (text, ids) in enumerate(zip(preceding, ids_list)):
+            lead = self.layout.passage_ids(check_text(text, f"the text before passage {i}")) if text else []
+            room = max(0, min(DOCUMENT_LEAD, self.context_window - len(ids)))
+            leads.append(lead[len(lead) - room:] if room else [])
+        return leads
 
     def _pack_tokens(self) -> int:
         """Passage tokens one forward encodes while indexing. On a GPU, as many as a quarter of its free memory

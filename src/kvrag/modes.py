@@ -25,7 +25,7 @@ import torch
 
 from . import blend as blend_lib
 from .assemble import Blocks, Piece, fill
-from .attention import forward
+from .attention import Ape, forward
 from .prompt import Prompt
 from .store import BadBlock
 from .workspace import Workspace
@@ -77,7 +77,10 @@ def placed(blocks: Blocks, prompt: Prompt, keys, ws: Workspace, reorder: bool = 
     position, stored, hits = blocks.assemble(prompt, keys, ws, reorder)
     reused = int(stored.sum())
     computed = position - reused + len(prompt.question)
-    return Prefill(None, ws.cache(position), position, computed, reused, hits, ws)
+    cache = ws.cache(position)
+    if blocks.ape and position > len(prompt.prefix):  # the question and answer read the passages as APE does
+        cache.kvrag_ape = Ape(len(prompt.prefix), position, *blocks.ape)
+    return Prefill(None, cache, position, computed, reused, hits, ws)
 
 
 def blend(blocks: Blocks, prompt: Prompt, keys, ws: Workspace, keep: int, config: blend_lib.BlendConfig,

@@ -16,7 +16,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from kvrag import KVEngine
+from kvrag import KVEngine, preceding_in_documents
 from kvrag.retrieval import chroma_client, chroma_collection, chroma_path, parse_chroma_url
 from kvrag.vllm_client import index as index_through_vllm
 from langchain_chroma import Chroma
@@ -193,9 +193,14 @@ class KVRagVectorStore(VectorStore):
 
     # ---- adding: index first, then store ----------------------------------------------------------
 
-    def _index(self, texts: list[str]) -> None:
+    def _index(self, texts: list[str], metadatas: list[dict] | None = None) -> None:
+        """With an engine of block context "document", a text that follows one of the same `source` (a loader's
+        file, a splitter's chunks of it in order) is encoded after it."""
         if self.vllm_url is not None:
             index_through_vllm(self.vllm_url, texts)
+        elif getattr(self.engine, "block_context", "none") == "document":  # any object with `index` may stand in
+            sources = [(m or {}).get("source") for m in metadatas] if metadatas else [None] * len(texts)
+            self.engine.index(texts, progress=self.show_progress, preceding=preceding_in_documents(texts, sources))
         else:
             self.engine.index(texts, progress=self.show_progress)
 
@@ -213,7 +218,7 @@ class KVRagVectorStore(VectorStore):
         texts = list(texts)
         if not texts:
             return []
-        self._index(texts)
+        self._index(texts, metadatas)
         ids = _ids(texts, metadatas, ids)
         unique_texts, unique_metadatas, unique_ids = self._unique(texts, metadatas, ids)
         self.vectorstore.add_texts(unique_texts, unique_metadatas, ids=unique_ids, **kwargs)
@@ -239,7 +244,7 @@ class KVRagVectorStore(VectorStore):
         """Encode and store the documents' KV (all checked first), then add them to the inner store."""
         if not documents:
             return []
-        self._index([doc.page_content for doc in documents])
+        self._index([doc.page_content for doc in documents], [doc.metadata for doc in documents])
         unique, unique_ids, ids = self._with_ids(documents, kwargs.pop("ids", None))
         self.vectorstore.add_documents(unique, ids=unique_ids, **kwargs)
         return ids
@@ -256,7 +261,7 @@ class KVRagVectorStore(VectorStore):
         texts = list(texts)
         if not texts:
             return []
-        await run_in_executor(None, self._index, texts)
+        await run_in_executor(None, self._index, texts, metadatas)
         ids = _ids(texts, metadatas, ids)
         unique_texts, unique_metadatas, unique_ids = self._unique(texts, metadatas, ids)
         await self.vectorstore.aadd_texts(unique_texts, unique_metadatas, ids=unique_ids, **kwargs)
@@ -266,7 +271,8 @@ class KVRagVectorStore(VectorStore):
         """`add_documents` without blocking the event loop: encoding runs in an executor thread."""
         if not documents:
             return []
-        await run_in_executor(None, self._index, [doc.page_content for doc in documents])
+        await run_in_executor(None, self._index, [doc.page_content for doc in documents],
+                              [doc.metadata for doc in documents])
         unique, unique_ids, ids = self._with_ids(documents, kwargs.pop("ids", None))
         await self.vectorstore.aadd_documents(unique, ids=unique_ids, **kwargs)
         return ids

@@ -130,3 +130,21 @@ def test_the_pipeline_cache_keys_it_by_the_model_alone(llm, engine):
     other_settings = KVRagLLM(engine=engine, mode="full", max_new_tokens=7)
     assert get_transformation_hash(nodes, KVPrecompute(llm=llm)) == get_transformation_hash(nodes, KVPrecompute(llm=other_settings))
     assert KVPrecompute(llm=llm).to_dict() == {"fingerprint": engine.fingerprint, "class_name": "KVPrecompute"}
+
+
+def test_with_document_context_each_node_is_encoded_after_the_node_before_it(fresh_passages):
+    """An engine of block context "document": a node parser's nodes of one document carry their previous node, and
+    each node whose previous one is in the batch is encoded after it (its block starts where that text ends); the
+    document's first node alone."""
+    from kvrag.engine import DOCUMENT_LEAD
+
+    engine = KVEngine.shared(block_context="document")
+    llm = KVRagLLM(engine=engine, mode="block", max_new_tokens=8)
+    splitter = SentenceSplitter(chunk_size=48, chunk_overlap=0)
+    nodes = IngestionPipeline(transformations=[splitter, KVPrecompute(llm=llm)]).run(
+        documents=[Document(text=" ".join(fresh_passages(8)))])
+    assert len(nodes) >= 3 and all(n.prev_node.node_id == p.node_id for p, n in zip(nodes, nodes[1:]))
+    ids = [engine.layout.passage_ids(n.get_content(metadata_mode=MetadataMode.LLM)) for n in nodes]
+    starts = [engine.store.get(key, "document")[0].start for key in engine.blocks.keys(engine.layout.prefix_ids, ids)]
+    assert starts == [0] + [min(len(before), DOCUMENT_LEAD) for before in ids[:-1]]
+    assert ask(llm, nodes).metadata["kvrag"]["cache_hits"].get("computed", 0) <= 2  # the prefix and separator at most

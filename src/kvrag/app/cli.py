@@ -21,7 +21,8 @@ from kvrag.errors import KVRagError
 MODES = ("full", "block", "composite", "prefix", "blend", "auto")
 """kvrag.MODES, and below the engine's and blend's choices the options take, written here so that neither
 `kvrag --help` nor a bad argument waits for torch to be imported."""
-ADAPTER_SCOPES, BLOCK_CONTEXTS, BLEND_SELECT = ("block", "all"), ("none", "prefix"), ("deviation", "attention")
+ADAPTER_SCOPES, BLEND_SELECT = ("block", "all"), ("deviation", "attention")
+BLOCK_CONTEXTS = ("none", "prefix", "ape", "document")
 LEARN_PROMPTS = 4096
 
 BENCH_METHODS = ("full", "map_reduce", "map_rerank", "block", "blend", "composite")
@@ -144,13 +145,16 @@ def cmd_index(args):
         client.send_passages(server[0], _api_key(args), passages)
         print(f"indexed {len(passages)} passages from {len(texts)} files on {server[0]}")
         return
+    from kvrag import preceding_in_documents
     from kvrag.retrieval import PassageIndex
 
     chroma = _chroma(args)
     index = PassageIndex(chroma)  # a Chroma server that does not answer: refused before any work
     engine = _engine(args)
     passages, sources = _passages(engine.layout.encode, texts, args.max_tokens)
-    engine.index(passages)  # its progress bar shows how many were newly encoded
+    # block context "document": each passage encoded after the one before it in its file
+    preceding = preceding_in_documents(passages, sources) if engine.block_context == "document" else None
+    engine.index(passages, preceding=preceding)  # its progress bar shows how many were newly encoded
     index.add(passages, sources)
     print(f"indexed {len(passages)} passages from {len(texts)} files"
           f"{f' into Chroma at {chroma}' if isinstance(chroma, str) else ''}")
@@ -296,6 +300,7 @@ def _random_engine(args, lengths):
     """`--shape NAME --random-weights`: (engine, header line). Everything is checked (the options, the
     context window, the memory) before the model is built."""
     from kvrag import loading
+    from kvrag.engine import chosen_block_context
     from kvrag.eval import shapes
     from kvrag.eval.ttft import prompt_length
     from kvrag.prompt import PromptLayout
@@ -312,7 +317,7 @@ def _random_engine(args, lengths):
     layout = PromptLayout(tokenizer)
     tokens = max(prompt_length(layout, length) for length in lengths) + 1  # and the first generated token
     engine = shapes.random_engine(args.shape, tokenizer, device=device, dtype=dtype, tokens=tokens, layers=args.layers,
-                                  home=args.home, block_context=args.block_context)
+                                  home=args.home, block_context=chosen_block_context(args.block_context, None))
     about = (f"{shapes.describe(args.shape, engine.model.config)}; prompts in the tokenizer of "
              f"{args.tokenizer or 'SmolLM2-135M-Instruct'} ({len(tokenizer)} ids)")
     return engine, about
@@ -513,7 +518,8 @@ def cmd_bench_accuracy(args):
         records = evaluate(engine, examples, methods, layouts=layouts, max_new_tokens=args.max_new_tokens,
                            results=results, dataset=dataset, concurrency=args.concurrency, weights=name)
         across = engine.causal_fingerprint != engine.fingerprint
-        print(f"\n{WEIGHT_SETS[name]}{' in block modes, the published weights in full and prefix: ACROSS WEIGHTS' if across else ', in every mode'}"
+        context = f", block modes in block context {engine.block_context}" if engine.block_context != "none" else ""
+        print(f"\n{WEIGHT_SETS[name]}{' in block modes, the published weights in full and prefix: ACROSS WEIGHTS' if across else ', in every mode'}{context}"
               f"; {len(examples)} {about}; accuracy (%) per question type: a gold answer appears in the output"
               + (f"; {args.concurrency} questions at a time, so the timings are not one user's" if args.concurrency > 1 else ""))
         print(format_table(summarize(records)))
@@ -618,6 +624,8 @@ def cmd_finetune(args):
     config = _train_config(args)
     if args.adapter == "auto":  # train from the published weights, not from the shipped adapter
         args.adapter = "none"
+    if args.block_context == "auto":  # what the adapter will be used in
+        args.block_context = "none"
     if args.dtype == "auto":  # LoRA weights and their optimiser state train in float32, on a GPU too
         args.dtype = "float32"
     if not 0.0 <= args.squad_share <= 1.0:
@@ -705,9 +713,12 @@ _MODEL_OPTIONS = {
     "--dtype": dict(default="auto", choices=("auto", "float32", "float16", "bfloat16"),
                     help="weights and compute: 'auto' is bfloat16 on a GPU that has it, else float16; float32 on the "
                          "CPU"),
-    "--block-context": dict(choices=BLOCK_CONTEXTS, default="none",
+    "--block-context": dict(choices=("auto", *BLOCK_CONTEXTS), default="auto",
                             help="what each passage is encoded after: 'none', nothing (exact re-encoding); 'prefix', "
-                                 "the shared system prompt, so every block sees the same attention sink"),
+                                 "the prompt's prefix, so every block sees the same attention sink; 'ape', the "
+                                 "system prompt, and block mode reads the passages at APE's temperature and scale; "
+                                 "'document', the passage before it in its file (at indexing); 'auto': 'ape' with "
+                                 "the published weights, 'none' with an adapter (docs/modes.md)"),
     "--adapter": dict(default="auto", help="LoRA adapter directory to merge into the model (from `kvrag finetune`); "
                                            "'auto': the block-tuned adapter shipped for the default model; 'none': "
                                            "the published weights"),

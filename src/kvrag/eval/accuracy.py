@@ -192,6 +192,8 @@ def _settings(engine, max_new_tokens: int, dataset: dict | None, weights: str | 
         settings["causal_model"] = engine.causal_fingerprint
     if weights is not None:
         settings["weights"] = weights
+    if engine.block_context != "none":  # the block modes' KV is another one
+        settings["block_context"] = engine.block_context
     return json.loads(json.dumps(settings))  # as read back from the file: tuples become lists
 
 
@@ -253,7 +255,10 @@ def evaluate(
     path = Path(results) if results else None
     done = _load(path, settings) if path else {}
     if {_mode_of(m) for m in methods} & set(REUSING):  # the passages' KV ahead of the questions, as an app indexes them
-        engine.index(sorted({p for e in examples for p in e.passages}), progress=progress)
+        passages = sorted({p for e in examples for p in e.passages})
+        before = {p: b for e in examples for p, b in zip(e.passages, e.preceding)}  # block context "document"
+        engine.index(passages, progress=progress,
+                     preceding=[before.get(p) for p in passages] if engine.block_context == "document" else None)
     if examples:  # warm-up: buffers and allocator, outside the timings
         engine.generate(examples[0].question, list(examples[0].passages), mode="block", max_new_tokens=2)
     runs = [(layout, method) for layout in layouts for method in methods]
@@ -629,7 +634,7 @@ def curve_rows(paths: Sequence[str | Path]) -> list[dict]:
     weights paired per question (pooled over layouts, each question once), the share of answers the same as
     full's, pooled alike (and of the same first token, and the first token's KL, as (questions, mean, half-width)),
     and the median TTFT, which is one user's only where the file was answered one
-    question at a time."""
+    question at a time. `context`: the block context the reusing methods' KV was made in, where not "none"."""
     rows = []
     for path in paths:
         settings, records = read_results(path)
@@ -640,8 +645,9 @@ def curve_rows(paths: Sequence[str | Path]) -> list[dict]:
             ratio = settings["blend"]["recompute_ratio"]
             share = {"block": 0.0, "full": 1.0, "blend": ratio, "lookahead": ratio}.get(
                 method, float(at.group(2)) if at else statistics.fmean(shares) if shares else None)
+            context = settings.get("block_context") if method not in CAUSAL_MODES else None
             rows.append({"weights": settings.get("weights", "model"), "corpus": _corpus(settings), "method": method,
-                         "share": share,
+                         "context": context, "share": share,
                          "accuracy": statistics.fmean(r.correct for r in answers),
                          "gap": None if method == "full" else _clustered(records, method)[1:],
                          "agree": None if method == "full" else _clustered(records, method, _agrees)[1:],
@@ -661,7 +667,8 @@ def curve_table(paths: Sequence[str | Path]) -> str:
         share = "-" if row["share"] is None else f"{row['share']:.2f} (mean)" if row["method"] in AUTO_METHODS else f"{row['share']:g}"
         first = "" if row["first"] is None else percent(*row["first"][1:]) if row["first"][0] else "-"
         kl = "" if row["kl"] is None else f"{round(row['kl'][1], 3) + 0.0:.3f}" if row["kl"][0] else "-"  # no -0.000
-        lines.append(f"| {WEIGHTS.get(row['weights'], 'model')} | {CORPORA[row['corpus']]} | {row['method']} | {share} | "
+        method = f"{row['method']}, {row['context']} context" if row["context"] else row["method"]
+        lines.append(f"| {WEIGHTS.get(row['weights'], 'model')} | {CORPORA[row['corpus']]} | {method} | {share} | "
                      f"{100 * row['accuracy']:.1f} | {'' if row['gap'] is None else points(*row['gap'])} | "
                      f"{'' if row['agree'] is None else percent(*row['agree'])} | {first} | {kl} | "
                      f"{row['ttft'] * 1e3:.0f} |")

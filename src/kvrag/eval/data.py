@@ -67,7 +67,8 @@ WORK_NOUNS = ["Letters", "Harbour", "Winter", "Lantern", "Orchard", "Crossing", 
 class QAExample:
     """One question with its passages. ``gold`` indexes the passages that answer it (for an
     unanswerable one: the subject's passage, which leaves the fact out). ``answers`` are the gold
-    answers; ``wrong`` the other candidate of a comparison; ``target`` a short natural answer."""
+    answers; ``wrong`` the other candidate of a comparison; ``target`` a short natural answer.
+    ``preceding``: where known, the text before each passage in its document (block context "document")."""
 
     id: str
     split: str
@@ -78,6 +79,7 @@ class QAExample:
     passages: tuple[str, ...]
     gold: tuple[int, ...]
     wrong: tuple[str, ...] = ()
+    preceding: tuple[str, ...] = ()
 
 
 @dataclass

@@ -28,7 +28,9 @@ def questions(directory: str | Path, count_tokens, k: int = 4, max_tokens: int =
         raise KVRagError(f"{directory} holds no questions.json: a held-out corpus is its documents and their questions")
     asked = json.loads(path.read_text(encoding="utf-8"))
     files = [f for f in text_files([directory]) if f.name != path.name]
-    passages = [p for f in files for p in split_passages(read_text(f), count_tokens, max_tokens)]
+    cut = [split_passages(read_text(f), count_tokens, max_tokens) for f in files]
+    passages = [p for parts in cut for p in parts]
+    before = {b: a for parts in cut for a, b in zip(parts, parts[1:])}  # the passage before, in its file
     embedder = embedder or Embedder()
     vectors = embedder.embed(passages)
     found = []
@@ -38,7 +40,8 @@ def questions(directory: str | Path, count_tokens, k: int = 4, max_tokens: int =
         nearest = sorted(range(len(passages)), key=lambda j: -scores[j])[:k]
         found.append(QAExample(id=f"heldout-{i}", split="heldout", type="heldout", question=item["question"],
                                answers=tuple(item["answers"]), target=item["answers"][0],
-                               passages=tuple(passages[j] for j in nearest), gold=()))
+                               passages=tuple(passages[j] for j in nearest), gold=(),
+                               preceding=tuple(before.get(passages[j], "") for j in nearest)))
     return found
 
 

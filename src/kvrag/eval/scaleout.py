@@ -166,11 +166,11 @@ def count_passage_encodings(engine, passages: list[str]) -> dict:
     counts = dict.fromkeys(passages, 0)
     encode_many = engine.blocks.encode_many
 
-    def counting(ids_list, after=None):
+    def counting(ids_list, *args, **kwargs):
         for ids in ids_list:
             if tuple(ids) in by_ids:
                 counts[by_ids[tuple(ids)]] += 1
-        return encode_many(ids_list, after)
+        return encode_many(ids_list, *args, **kwargs)
 
     engine.blocks.encode_many = counting
     return counts

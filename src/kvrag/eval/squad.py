@@ -69,6 +69,7 @@ def questions(split: str = "test", n: int = 200, passages: int = 10, seed: int =
     rng = random.Random(f"kvrag-squad:{seed}:{split}:{passages}")
     rng.shuffle(asked)
     words: dict[str, str] = {}  # each paragraph normalised once, however many questions draw it
+    before = {b["context"]: a["context"] for article in articles for a, b in zip(article, article[1:])}
     examples = []
     for a, p, q in asked[:n]:
         qa = articles[a][p]["qas"][q]
@@ -93,5 +94,6 @@ def questions(split: str = "test", n: int = 200, passages: int = 10, seed: int =
                 chosen.append(c)
         rng.shuffle(chosen)
         examples.append(QAExample(id=f"squad-{split}-{qid}", split=split, type="single", question=question,
-                                  answers=answers, target=answers[0], passages=tuple(chosen), gold=(chosen.index(gold),)))
+                                  answers=answers, target=answers[0], passages=tuple(chosen), gold=(chosen.index(gold),),
+                                  preceding=tuple(before.get(c, "") for c in chosen)))
     return examples

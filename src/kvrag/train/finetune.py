@@ -121,8 +121,9 @@ def encode(engine, question: str, passages: Sequence[str], answer: str, *, full_
                          "lookahead's pass through every layer")
     if engine.block_context != "none":
         raise ValueError(
-            "block fine-tuning needs block_context='none': with 'prefix' a block is encoded at a canonical "
-            "distance from the prefix, which one pass with contiguous positions cannot reproduce"
+            f"block fine-tuning needs block_context='none', not {engine.block_context!r}: a block encoded after "
+            "other text (a prefix, the text before it in its document) and read at APE's temperature is not what "
+            "one pass with the block mask and contiguous positions computes"
         )
     if layout == OWN:
         prompt, _ = engine.build_prompt(question, list(passages))

@@ -36,15 +36,15 @@ MAX_CHARS = 200
 class SpyEngine:
     """KVEngine.index's checks and nothing else; records what was indexed into a shared event log."""
 
-    def __init__(self, events: list):
-        self.events = events
+    def __init__(self, events: list, block_context: str = "none"):
+        self.events, self.block_context = events, block_context
 
-    def index(self, texts, *, progress=True):
+    def index(self, texts, *, progress=True, preceding=None):
         texts = [check_text(t, f"passage {i}") for i, t in enumerate(texts)]
         for i, text in enumerate(texts):
             if len(text) > MAX_CHARS:
                 raise ContextOverflowError(f"passage {i} does not fit")
-        self.events.append(("index", texts))
+        self.events.append(("index", texts) if preceding is None else ("index", texts, preceding))
         return [f"kv_{i:032x}" for i in range(len(texts))]
 
 
@@ -96,6 +96,24 @@ async def test_every_add_indexes_the_batch_before_storing_it(store, events, path
     assert events == [("index", TEXTS), ("add", TEXTS)]
     stored = store.get_by_ids(["b"])
     assert stored == [Document(id="b", page_content=TEXTS[1], metadata={"n": 1})]
+
+
+@pytest.mark.parametrize("path", ADD_PATHS)
+async def test_with_document_context_a_text_is_indexed_after_the_one_before_it_from_the_same_source(events, path):
+    """An engine of block context "document" encodes each text after the one before it in the batch when both
+    come from the same `source` (a loader's file, split in order); the first of a source, or one without, alone."""
+    store = KVRagVectorStore(LoggingStore(DeterministicFakeEmbedding(size=8), events),
+                             engine=SpyEngine(events, block_context="document"))
+    docs = [Document(page_content=t, metadata=m) for t, m in
+            zip(TEXTS + ["the mill turns on windy days"], [{"source": "a.txt"}, {"source": "a.txt"}, {"source": "b.txt"}, {}])]
+    texts = [d.page_content for d in docs]
+    if path.endswith("add_texts"):
+        added = store.add_texts(texts, [d.metadata for d in docs]) if path == "add_texts" else \
+            await store.aadd_texts(texts, [d.metadata for d in docs])
+    else:
+        added = store.add_documents(docs) if path == "add_documents" else await store.aadd_documents(docs)
+    assert len(added) == 4
+    assert events[0] == ("index", texts, [None, TEXTS[0], None, None])
 
 
 @pytest.mark.parametrize("path", ADD_PATHS)

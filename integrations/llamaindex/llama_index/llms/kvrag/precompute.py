@@ -73,11 +73,13 @@ class KVPrecompute(TransformComponent):
         if self.vllm_url is not None:
             index_through_vllm(self.vllm_url, llm_texts(nodes))
             return nodes
-        self._engine().index(
-            llm_texts(nodes),
-            names=[f"node {node.node_id}" for node in nodes],
-            progress=kwargs.get("show_progress", False),
-        )
+        engine, texts = self._engine(), llm_texts(nodes)
+        preceding = None  # block context "document": a node after the node before it, where the batch holds that one
+        if engine.block_context == "document":
+            text_of = {node.node_id: text for node, text in zip(nodes, texts)}
+            preceding = [text_of.get(node.prev_node.node_id) if node.prev_node else None for node in nodes]
+        engine.index(texts, names=[f"node {node.node_id}" for node in nodes],
+                     progress=kwargs.get("show_progress", False), preceding=preceding)
         return nodes
 
     async def acall(self, nodes: Sequence[BaseNode], **kwargs: Any) -> Sequence[BaseNode]:
