@@ -98,6 +98,7 @@ class Packed:
 
     def __init__(self, caches: list, starts: list[int], lengths: list[int], dtype, device):
         self.caches, self.starts = caches, starts
+        self.apes = [getattr(cache, "kvrag_ape", None) for cache in caches]  # read once, not per layer
         ends = torch.tensor(lengths).cumsum(0).tolist()
         self.spans = [(end - n, end) for end, n in zip(ends, lengths)]
         self.masks = [causal_mask(n, start, dtype, device) for n, start in zip(lengths, starts)]
@@ -110,10 +111,10 @@ class Packed:
     def attend(self, module, query, dropout, scaling) -> torch.Tensor:
         """Each run's queries over its own cache, exactly as `forward` would run it alone."""
         outs = []
-        for cache, start, mask, (a, b) in zip(self.caches, self.starts, self.masks, self.spans):
+        for cache, start, mask, ape, (a, b) in zip(self.caches, self.starts, self.masks, self.apes, self.spans):
             layer = cache.layers[module.layer_idx]
             out, _ = grouped_sdpa_attention(module, query[:, :, a:b], layer.keys, layer.values, mask, dropout,
-                                            scaling, kvrag_cached=start, kvrag_ape=getattr(cache, "kvrag_ape", None))
+                                            scaling, kvrag_cached=start, kvrag_ape=ape)
             outs.append(out)
         return torch.cat(outs, dim=1)
 
