@@ -49,7 +49,7 @@ def test_every_option_has_help_text_and_shows_its_default():
 @pytest.mark.parametrize(
     "argv, expected",
     [
-        (["ask"], ["--mode", "composite keeps encode positions (default: full; docs/accuracy.md says why)", "--top-k TOP_K",
+        (["ask"], ["--mode", "composite keeps encode positions (default: what `kvrag calibrate` chose for this model and home, else full", "--top-k TOP_K",
                    "passages retrieved for the question (default: 4)", "longest answer in tokens (default: 128)",
                    "--block-context {auto,none,prefix,ape,document}", "(default: auto)"]),
         (["index"], ["longest passage in tokens (default: 200)", "--block-context {auto,none,prefix,ape,document}", "(default: auto)"]),
@@ -116,6 +116,9 @@ def test_the_defaults_written_in_the_cli_are_the_harness_defaults():
 
     assert (cli.MODES, cli.ADAPTER_SCOPES, cli.BLOCK_CONTEXTS) == (MODES, ADAPTER_SCOPES, BLOCK_CONTEXTS)
     assert cli.LEARN_PROMPTS == LEARN_PROMPTS
+    from kvrag import calibrate
+
+    assert cli.CALIBRATE_SETTINGS == calibrate.SETTINGS
     assert cli.BLEND_SELECT[0] == BlendConfig.select and set(cli.BLEND_SELECT) == set(
         get_args(BlendConfig.__annotations__["select"])) - {"lookahead"}  # training chooses on layer 1 only
 

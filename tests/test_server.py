@@ -431,7 +431,8 @@ def test_embeddings(server):
 
 def test_health_and_metrics(server, engine):
     health = server.get("/health").json()
-    assert health == {"status": "ok", "model": "kvrag", "queue_depth": 0, "active_requests": 0}
+    assert health == {"status": "ok", "model": "kvrag", "queue_depth": 0, "active_requests": 0, "default_mode": "block",
+                      "shadow": None}
     engine.index([PASSAGE])
     assert chat(server).status_code == 200
     assert chat(server, n=2).status_code == 400
@@ -481,7 +482,8 @@ def test_kvrag_serve_wires_its_options(monkeypatch, capsys, tmp_path):
         def __init__(self, location):
             calls["index"] = location
 
-    monkeypatch.setattr(cli, "_engine", record("engine", "the engine"))
+    engine = types.SimpleNamespace(calibration=None, default_mode="full")
+    monkeypatch.setattr(cli, "_engine", record("engine", engine))
     monkeypatch.setattr(server_module, "create_app", record("app", app))
     monkeypatch.setattr(retrieval, "PassageIndex", Index)
     monkeypatch.setattr(uvicorn, "run", run)
@@ -490,9 +492,10 @@ def test_kvrag_serve_wires_its_options(monkeypatch, capsys, tmp_path):
     home = ["--home", str(tmp_path)]
     assert cli.main([*home, "serve", "--mode", "full", "--port", "9001", "--max-queue", "3",
                      "--served-model-name", "smollm", "gpt-3.5-turbo", "--learn-prompts", "0"]) == 0
-    assert calls["engine"][1] == {"max_batch": 16, "max_queue": 3, "learn_prompts": 0}
+    assert calls["engine"][1] == {"max_batch": 16, "max_queue": 3, "learn_prompts": 0, "default_mode": "full",
+                                  "shadow": 0.0}
     assert calls["index"] == tmp_path / "chroma"  # the home's passage index, which `kvrag index` and `ask` use
-    assert calls["app"] == ("the engine", {"api_key": "from-env", "default_mode": "full", "max_request_bytes": None,
+    assert calls["app"] == (engine, {"api_key": "from-env", "max_request_bytes": None,
                                            "max_passages": 256, "model_name": ["smollm", "gpt-3.5-turbo"],
                                            "passage_index": calls["app"][1]["passage_index"],
                                            "embedder": "the embedder"})
@@ -568,7 +571,8 @@ def test_kvrag_serve_keeps_its_passage_index_in_the_chroma_server_named(chroma, 
     from kvrag.app import server as server_module
 
     calls, app = {}, types.SimpleNamespace(router=types.SimpleNamespace(on_shutdown=[]))
-    monkeypatch.setattr(cli, "_engine", lambda args, **options: "the engine")
+    engine = types.SimpleNamespace(calibration=None, default_mode="full")
+    monkeypatch.setattr(cli, "_engine", lambda args, **options: engine)
     monkeypatch.setattr(server_module, "create_app", lambda engine, **options: calls.update(options) or app)
     monkeypatch.setattr(uvicorn, "run", lambda app, **options: None)
     monkeypatch.setenv("KVRAG_CHROMA", chroma)  # as --chroma URL does

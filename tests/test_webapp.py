@@ -1,6 +1,6 @@
 """The example web app (examples/webapp/app.py) in a real headless browser: it starts `kvrag serve` on
 the real default model; the test adds a document, asks, reads the answer as it streams into the page,
-and checks the passages and the reuse readout in block, full and blend mode.
+and checks the passages and the reuse readout in block, full and blend mode, and the server's shadow checks.
 
 Needs Chromium and its driver (Debian: `apt-get install chromium chromium-driver`, which ./run's set-up
 does where it can); without them the test fails, it does not skip. KVRAG_SCREENSHOT=PATH saves the
@@ -71,7 +71,8 @@ def webapp(kvrag_home, tmp_path_factory):
     port, log_path = _free_port(), tmp_path_factory.mktemp("webapp") / "webapp.log"
     env = {**os.environ, "KVRAG_HOME": str(kvrag_home), "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
     with open(log_path, "w") as log:
-        app = subprocess.Popen([sys.executable, str(APP), "--port", str(port)], stdout=log, stderr=subprocess.STDOUT, env=env)
+        app = subprocess.Popen([sys.executable, str(APP), "--port", str(port), "--shadow", "1"], stdout=log,
+                               stderr=subprocess.STDOUT, env=env)  # every reused answer checked against full
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 600
@@ -116,7 +117,7 @@ def _ask(browser, question: str, mode: str, timeout: float = 300) -> tuple[list[
     assert browser.find_element(By.ID, "answer").get_attribute("data-state") == "done", \
         browser.find_element(By.ID, "status").text
     readout = {name: browser.find_element(By.ID, name).text
-               for name in ("ttft", "reused", "prompt-tokens", "prefilled", "readout-mode")}
+               for name in ("ttft", "reused", "prompt-tokens", "prefilled", "readout-mode", "shadow")}
     return browser.execute_script("return window.seen"), readout
 
 
@@ -145,6 +146,8 @@ def test_add_a_document_ask_and_read_the_streamed_answer_in_each_mode(browser, w
         assert prompt > 0 and (reused == 0 if mode == "full" else reused > 0), (mode, readout)
         if mode != "blend":  # blend recomputes some of the tokens it reuses
             assert reused + prefilled == prompt, (mode, readout)
+    # the shadow checks of the earlier block and blend answers, made while the page was idle, in the last readout
+    assert re.search(r"shadow checks, the same as full: .*block \d+ of [1-9]", readout["shadow"]), readout
     history = browser.find_elements(By.CSS_SELECTOR, "#history tr")
     assert [row.find_element(By.TAG_NAME, "td").text for row in history] == ["block", "blend", "full", "block"]
     browser.find_element(By.ID, "sample").click()  # the package's sample corpus, its questions offered

@@ -197,7 +197,12 @@ def create_app(server: str, api_key: str | None = None) -> FastAPI:
                 yield sse("error", {"message": f"kvrag serve at {server}: {exc}"})
                 return
             details = usage.get("prompt_tokens_details") or {}
+            try:  # the server's shadow checks so far: how often a reused answer was full's (kvrag serve --shadow)
+                health = (await upstream.get("/health")).json()
+            except (httpx.HTTPError, ValueError):
+                health = {}
             yield sse("done", {
+                "shadow": health.get("shadow"),
                 "mode": stats.get("mode", question.mode),
                 "ttft_ms": round(stats["ttft"] * 1000) if stats.get("ttft") is not None else None,
                 "first_token_ms": round((first - start) * 1000) if first else None,  # here: embedding + HTTP too
@@ -220,15 +225,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(timeout: float) -> tuple[subprocess.Popen, str]:
-    """`kvrag serve` from this Python's environment on a free port, once its /health answers."""
+def start_server(timeout: float, shadow: float = 0.0) -> tuple[subprocess.Popen, str]:
+    """`kvrag serve` from this Python's environment on a free port, once its /health answers; `shadow`: its
+    --shadow share."""
     kvrag = Path(sys.executable).parent / "kvrag"
     if not kvrag.exists():
         sys.exit(f"no {kvrag}: install kvrag into this Python's environment (./run does) or give --server URL")
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     print(f"webapp: starting {kvrag} serve on port {port} (loading the model takes a few seconds)...", file=sys.stderr)
-    process = subprocess.Popen([str(kvrag), "serve", "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"])
+    process = subprocess.Popen([str(kvrag), "serve", "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning",
+                                "--shadow", str(shadow)])
     try:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -261,10 +268,12 @@ def main(argv=None) -> int:
     parser.add_argument("--port", type=int, default=8080, help="port of the page (default: %(default)s)")
     parser.add_argument("--server", help="URL of a running `kvrag serve` (default: start one)")
     parser.add_argument("--api-key", default=os.environ.get("KVRAG_API_KEY"), help="its API key (default: $KVRAG_API_KEY)")
+    parser.add_argument("--shadow", type=float, default=0.0, help="the started server's --shadow: share of reused "
+                                                                   "answers checked against full (default: none)")
     parser.add_argument("--startup-timeout", type=float, default=600, help="seconds to wait for `kvrag serve` (default: %(default)s)")
     args = parser.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))  # stop the server on `kill` too
-    process, server = (None, args.server.rstrip("/")) if args.server else start_server(args.startup_timeout)
+    process, server = (None, args.server.rstrip("/")) if args.server else start_server(args.startup_timeout, args.shadow)
     try:
         print(f"webapp: open http://{args.host}:{args.port} (kvrag serve at {server})", file=sys.stderr)
         uvicorn.run(create_app(server, args.api_key), host=args.host, port=args.port, log_level="warning")

@@ -124,6 +124,7 @@ class GenerationStream:
         self._done = False
         self._cond = threading.Condition()
         self._wakers: list = []  # (event loop, asyncio.Event) of async consumers
+        self._ended: list[Callable] = []  # called with the result (None on an error) once it is over
 
     # ---- the worker's side --------------------------------------------------------------------------
 
@@ -136,6 +137,17 @@ class GenerationStream:
         with self._cond:
             self.result, self.error, self._done = result, error, True
             self._wake()
+            ended, self._ended = self._ended, []
+        for call in ended:
+            call(result)
+
+    def on_end(self, call: Callable) -> None:
+        """Call `call(result)` once the request is over (result None after an error); now, if it is."""
+        with self._cond:
+            if not self._done:
+                self._ended.append(call)
+                return
+        call(self.result)
 
     def _wake(self) -> None:
         self._cond.notify_all()
@@ -228,11 +240,13 @@ class Generation:
     sampling, stop strings, incremental text and timing as each step's logits arrive."""
 
     def __init__(self, prefiller: Prefiller, prompt, keys, mode: str, max_new_tokens: int, sampler: Sampler,
-                 stops: list[str], max_time=None, blend=None, start: float | None = None):
+                 stops: list[str], max_time=None, blend=None, start: float | None = None, chunk: int | None = None):
         """`prompt`, `keys`: built by the caller, on its own thread: tokenizing a long prompt on the worker
         would hold up every other request's next token. `start`: when the call came (default: now), so that
         TTFT and `max_time` count the prompt's building, as they count the KV loading of the prefill.
-        The answer is at most what the context window leaves after the prompt, whatever `max_new_tokens` says."""
+        The answer is at most what the context window leaves after the prompt, whatever `max_new_tokens` says.
+        `chunk`: run the prompt (in full mode all of it) through the model this many tokens a step, between other
+        requests' steps, instead of at once when admitted: a background request never holds the worker long."""
         self.prefiller, self.prompt, self.keys, self.mode = prefiller, prompt, keys, mode
         self.budget = min(max_new_tokens, prefiller.context_window - len(prompt))
         self.sampler, self.stops, self.max_time, self.blend = sampler, stops, max_time, blend
@@ -240,6 +254,8 @@ class Generation:
         self.start = time.perf_counter() if start is None else start
         self.state, self.released = None, False
         self.run: list[int] = []  # the ids to run through the model next, at `self.position`
+        self.chunk = chunk
+        self.background = False  # set by the scheduler: stepped only while no other request is
 
     def expired(self) -> bool:
         return self.max_time is not None and time.perf_counter() - self.start > self.max_time
@@ -247,15 +263,28 @@ class Generation:
     def prefill(self) -> None:
         prefiller = self.prefiller
         self.state = prefiller.prefill(self.prompt, self.mode, keys=self.keys, extra_capacity=self.budget,
-                                       blend=self.blend, question=False)
+                                       blend=self.blend, question=self.mode == "full" and not self.chunk)
         self.model = prefiller.model_for(self.mode)
         self.cache, self.position = self.state.cache, self.state.next_position
         self.tracker = TextTracker(prefiller.tokenizer, self.stops)
         self.ttft, self.steps, self.first_logprobs = None, 0, None
-        if self.state.logits is None:  # the question runs with the next step's tokens
-            self.run = list(self.prompt.question)
+        if self.state.logits is None:  # the question (in full mode the prompt) runs with the next steps' tokens
+            self.run = list(self.prompt.ids() if self.mode == "full" else self.prompt.question)
         else:
             self.push(self.state.logits[-1])
+
+    def step_ids(self) -> list[int]:
+        """The ids this step runs: `run`, or its first `chunk`."""
+        return self.run[: self.chunk] if self.chunk else self.run
+
+    def advance(self, logits: torch.Tensor) -> None:
+        """After a step ran `step_ids()`: the next token from their last logits, or, with more of the run left, none."""
+        ran = len(self.step_ids())
+        self.position += ran
+        if ran < len(self.run):
+            self.run = self.run[ran:]
+            return
+        self.push(logits)
 
     def push(self, logits: torch.Tensor) -> None:
         """Sample the next token from `logits`; end the request or leave the token in `self.run`."""

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from . import families, loading, modes, threads
+from . import calibrate, families, loading, modes, threads
 from .assemble import Blocks
 from .blend import BlendConfig
 from .decode import Generation, GenerationResult, GenerationStream, Prefiller, Sampler
@@ -42,9 +42,10 @@ PACK_TOKENS_CPU, PACK_TOKENS_MAX = 1024, 65536
 """Passage tokens one indexing forward encodes on a CPU, and at most on a GPU (see `KVEngine._pack_tokens`)."""
 UNREUSED_WARNING_TOKENS = 64
 """A prompt this long that reuses nothing in a reusing mode most likely held passages: said once."""
-DEFAULT_MODE = "full"
-"""The mode of requests that name none: by docs/accuracy.md's rule no reusing mode keeps full's accuracy on the
-default model, with its shipped adapter or without; an engine whose weights hold it passes its own."""
+DEFAULT_MODE = "calibrated"
+"""The mode of requests that name none: the one `kvrag calibrate` measured to keep full's answers on these weights,
+layout and corpus (calibrate.py), else full: by docs/accuracy.md's rule no reusing mode keeps full's accuracy on the
+default model in general."""
 BLOCK_CONTEXTS = ("none", "prefix", "ape", "document")
 PUBLISHED_BLOCK_CONTEXT = "ape"
 """`from_pretrained`'s block context for weights without a block-tuned adapter, chosen by the rule in issue #99's
@@ -80,7 +81,7 @@ class KVEngine:
                  blend: BlendConfig | None = None, max_batch: int = 16, max_queue: int = 256,
                  remote: "str | Remote | None" = None, secret: str | bytes | None = None,
                  disk_budget: int | str | None = None, default_mode: str = DEFAULT_MODE,
-                 learn_prompts: int = LEARN_PROMPTS):
+                 learn_prompts: int = LEARN_PROMPTS, adapter: str | None = None, shadow: float = 0.0):
         """`causal_model`: other weights for the causal modes (full, prefix), say the published ones when
         `model` carries a block-tuned adapter (default: `model` in every mode). The engine runs on the
         model's device. `block_context`: what a passage is encoded after and how block mode reads it, one of
@@ -97,13 +98,16 @@ class KVEngine:
         $KVRAG_SECRET; required with a remote tier, see `remote.shared_secret`). `disk_budget`: bytes (or
         "20G", "500M") of KV files kept under the home's kv/ directory, least recently used evicted
         (default: $KVRAG_DISK_BUDGET, else whatever keeps a tenth of the disk free). `default_mode`: the mode
-        of requests that name none (docs/accuracy.md says which mode holds full's answers on which weights).
-        `learn_prompts`: how many passages this engine may learn from the rendered prompts it completes in a
-        reusing mode (`stream_text`: the text between blank lines, see `match.unmarked_passages`); 0: none."""
+        of requests that name none; "calibrated" (the default): the one the home's calibration record chose for
+        this engine (`calibrate`), else full. `learn_prompts`: how many passages this engine may learn from the
+        rendered prompts it completes in a reusing mode (`stream_text`: the text between blank lines, see
+        `match.unmarked_passages`); 0: none. `adapter`: the name of the adapter merged into `model`, which a
+        calibration record names (`from_pretrained` sets it). `shadow`: the share of greedy requests answered in a
+        reusing mode that are answered again in full mode in the background and compared (shadow.py); 0: none."""
         families.check_supported(model.config)
-        if default_mode not in modes.MODES:
-            raise ValueError(f"default_mode must be one of {modes.MODES}, got {default_mode!r}")
-        self.default_mode = default_mode
+        if default_mode not in (*modes.MODES, "calibrated"):
+            raise ValueError(f"default_mode must be 'calibrated' or one of {modes.MODES}, got {default_mode!r}")
+        self.adapter = adapter
         if block_context not in BLOCK_CONTEXTS:
             raise ValueError(f"block_context must be one of {BLOCK_CONTEXTS}, got {block_context!r}")
         self.model, self.tokenizer = loading.prepare(model), tokenizer
@@ -145,6 +149,15 @@ class KVEngine:
         self.learn_prompts = self._learn_left = learn_prompts
         self._special_tokens = tuple(tokenizer.all_special_tokens)  # where a chat template's parts begin and end
         self._said: set[str] = set()  # the warnings said once
+        self.calibrated = default_mode == "calibrated"
+        self.calibration = calibrate.load(self) if self.calibrated and persist else None
+        self.default_mode, self.blend = calibrate.chosen(self.calibration, self.blend) if self.calibrated else \
+            (default_mode, self.blend)
+        self.shadow = None
+        if shadow:
+            from .shadow import Shadow
+
+            self.shadow = Shadow(self, shadow)
 
     @classmethod
     def from_pretrained(
@@ -196,6 +209,7 @@ class KVEngine:
         if adapter == "auto":
             adapter = loading.DEFAULT_ADAPTER if model is None else None
         kwargs["block_context"] = chosen_block_context(kwargs["block_context"], adapter)
+        kwargs["adapter"] = Path(adapter).name if adapter else None
         if adapter is None:
             return cls(lm, tokenizer, fingerprint=fingerprint(lm), **kwargs)
         if adapter_scope == "all":
@@ -360,6 +374,21 @@ class KVEngine:
         gets it as a block, encoded and stored the first time, reused after. Retrievals feed this."""
         self.passages.add([t for t in texts if isinstance(t, str) and t.strip()])
 
+    def calibrate(self, questions=None, *, index=None, **options) -> dict:
+        """Measure each reusing setting against full on `questions` (texts or (text, gold answers) pairs; None: made
+        from the indexed passages), each with its passages retrieved from `index` (a `retrieval.PassageIndex`;
+        default: the home's, as `kvrag index` and `ask` keep it), record the fastest that keeps full's answers, and,
+        with default_mode "calibrated", answer requests that name no mode with it from now on. Options and the
+        record: `calibrate.calibrate`."""
+        from .retrieval import PassageIndex, chroma_url
+
+        index = index if index is not None else PassageIndex(chroma_url() or self.home / "chroma")
+        record = calibrate.calibrate(self, index, questions, **options)
+        if self.calibrated:
+            self.calibration = record
+            self.default_mode, self.blend = calibrate.chosen(record, self.blend)
+        return record
+
     # ---- prompt: a request -> token ids by block -----------------------------------------------------
 
     def _resolve(self, blocks) -> list[tuple[str, list[int]]]:
@@ -431,7 +460,7 @@ class KVEngine:
         The caller owns `result.workspace` and must hand it back with `engine.release(result)`.
         `blend` overrides the engine's settings for modes "blend" and "auto". `question=False`, in the modes of
         `modes.QUESTION_LEFT`, leaves the question out: its logits are None and the caller prefills it
-        at `next_position`.
+        at `next_position`; in full mode it leaves the whole prompt out, for the caller to prefill a chunk at a time.
         """
         if mode not in modes.PREFILL:
             raise ValueError(f"mode must be one of {modes.MODES}, got {mode!r}")
@@ -443,6 +472,8 @@ class KVEngine:
         try:
             if not question and mode in modes.QUESTION_LEFT:
                 return modes.placed(blocks, prompt, keys, ws, modes.QUESTION_LEFT[mode])
+            if not question and mode == "full":
+                return modes.Prefill(None, ws.cache(0), 0, len(prompt), 0, {}, ws)
             return modes.PREFILL[mode](blocks, prompt, keys, ws, len(prompt.question) if all_logits else 1, config)
         except BaseException:
             self.pool.release(ws)
@@ -542,4 +573,6 @@ class KVEngine:
                               self.eos_ids, self.context_window)  # all the worker may call of the engine
         generation = Generation(prefiller, prompt, keys, mode, max_new_tokens, sampler, stops, max_time, blend, start)
         self.scheduler.submit(generation)
+        if self.shadow is not None:
+            self.shadow.consider(generation)
         return generation.stream

@@ -322,6 +322,11 @@ class PassageIndex:
         with chroma_errors(self.location):
             return self.collection.count()
 
+    def texts(self, limit: int = 100_000) -> list[str]:
+        """The indexed passages, at most `limit` (what `kvrag calibrate` writes questions about)."""
+        with chroma_errors(self.location):
+            return self.collection.get(limit=limit, include=["documents"])["documents"]
+
     def search(self, query: str, k: int = 4) -> list[str]:
         count = len(self)
         if count == 0:

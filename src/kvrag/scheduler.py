@@ -27,6 +27,7 @@ from .errors import QueueFullError, RequestTimeoutError
 
 
 LINGER = 1.0  # seconds an idle worker waits for the next request before it ends
+MAX_BACKGROUND = 4  # background requests waiting at most; more are dropped
 
 _RUNNING: "weakref.WeakSet[Scheduler]" = weakref.WeakSet()
 
@@ -48,6 +49,7 @@ class Scheduler:
             raise ValueError(f"max_batch must be >= 1 and max_queue >= 0, got {max_batch} and {max_queue}")
         self.max_batch, self.max_queue = max_batch, max_queue
         self._waiting: collections.deque[Generation] = collections.deque()
+        self._background: collections.deque[Generation] = collections.deque()  # run only while nothing else runs
         self._active: list[Generation] = []
         self._lock = threading.Lock()
         self._arrived = threading.Condition(self._lock)
@@ -61,23 +63,32 @@ class Scheduler:
     def active(self) -> int:
         return len(self._active)
 
-    def submit(self, generation: Generation) -> None:
+    def submit(self, generation: Generation, background: bool = False) -> bool:
+        """Queue a request; a `background` one (a shadow check) is admitted only when no other waits and is stepped
+        only while no other is active, one at a time, and is dropped (False) when MAX_BACKGROUND already wait."""
         threads.hand_over()  # the worker's OpenMP team is then the only one (see threads.py)
         with self._lock:
-            if len(self._waiting) >= self.max_queue:
+            if background:
+                if len(self._background) >= MAX_BACKGROUND:
+                    return False
+                generation.background = True
+                self._background.append(generation)
+            elif len(self._waiting) >= self.max_queue:
                 raise QueueFullError(
                     f"{len(self._waiting)} requests are already waiting (max_queue={self.max_queue}); try again later"
                 )
-            self._waiting.append(generation)
+            else:
+                self._waiting.append(generation)
             self._arrived.notify()
             if not self._running:
                 self._running = True
                 _RUNNING.add(self)
                 threading.Thread(target=self._work, name="kvrag-scheduler").start()
+        return True
 
     def cancel_all(self) -> None:
         with self._lock:
-            for generation in [*self._waiting, *self._active]:
+            for generation in [*self._waiting, *self._background, *self._active]:
                 generation.stream.cancel()
             self._arrived.notify()  # a lingering worker ends now
 
@@ -104,13 +115,14 @@ class Scheduler:
 
     def _take(self) -> list[Generation]:
         """The waiting requests that fit in the batch now; those cancelled, or out of time with no room for
-        them, leave the queue."""
-        admit = []
+        them, leave the queue. A background request only where none waits and no other background one runs; it
+        takes no place in the batch."""
+        admit, running = [], sum(not g.background for g in self._active)
         for generation in list(self._waiting):
             if generation.stream.cancelled:
                 self._waiting.remove(generation)
                 generation.fail(None)
-            elif len(self._active) + len(admit) < self.max_batch:
+            elif running + len(admit) < self.max_batch:
                 self._waiting.remove(generation)
                 admit.append(generation)
             elif generation.expired():
@@ -118,6 +130,8 @@ class Scheduler:
                 waited = time.perf_counter() - generation.start
                 generation.fail(RequestTimeoutError(
                     f"the request waited {waited:.1f} s in the queue, over its max_time of {generation.max_time} s"))
+        if self._background and not self._waiting and not admit and running == len(self._active):
+            admit.append(self._background.popleft())
         return admit
 
     def _admit(self, generation: Generation) -> None:
@@ -141,18 +155,18 @@ class Scheduler:
     def _step(self) -> None:
         """One token for every active request; requests on the same weights share one model call."""
         groups: dict[int, list[Generation]] = {}
-        for generation in self._active:
+        foreground = [g for g in self._active if not g.background]
+        for generation in foreground or self._active:  # a background request waits while another runs
             groups.setdefault(id(generation.model), []).append(generation)
         for group in groups.values():
             try:
-                logits = forward_packed(group[0].model, [(g.run, g.cache, g.position) for g in group])
+                logits = forward_packed(group[0].model, [(g.step_ids(), g.cache, g.position) for g in group])
             except Exception as error:
                 for generation in group:
                     generation.fail(error)
                 continue
             for generation, row in zip(group, logits):
-                generation.position += len(generation.run)
                 try:
-                    generation.push(row)
+                    generation.advance(row)
                 except Exception as error:
                     generation.fail(error)

@@ -57,6 +57,8 @@ function showReadout(done, question) {
   $("prefilled").textContent = show(done.prefilled_tokens);
   $("readout-mode").textContent = show(done.mode);
   $("first-token").textContent = show(done.first_token_ms);
+  const checks = Object.entries(done.shadow || {}).map(([mode, c]) => `${mode} ${c.agreed} of ${c.checks}`);
+  $("shadow").textContent = checks.length ? ` · shadow checks, the same as full: ${checks.join(", ")}` : "";
   $("readout").hidden = false;
   const row = document.createElement("tr");
   for (const cell of [done.mode, show(done.ttft_ms), `${show(reused)} / ${show(done.prompt_tokens)}`, question]) {

@@ -1,4 +1,4 @@
-"""Command line: kvrag index | ask | serve | export | demo | finetune | bench ttft | bench load | bench accuracy |
+"""Command line: kvrag index | ask | calibrate | serve | export | demo | finetune | bench ttft | bench load | bench accuracy |
 bench serve | bench vllm | kernels build | kernels status.
 
 The research harness (kvrag.eval, kvrag.train) and matplotlib are imported inside the commands that
@@ -23,6 +23,7 @@ MODES = ("full", "block", "composite", "prefix", "blend", "auto")
 `kvrag --help` nor a bad argument waits for torch to be imported."""
 ADAPTER_SCOPES, BLEND_SELECT = ("block", "all"), ("deviation", "attention")
 BLOCK_CONTEXTS = ("none", "prefix", "ape", "document")
+CALIBRATE_SETTINGS = ("prefix", "block", "auto", "blend@0.3", "lookahead@0.3")  # kvrag.calibrate.SETTINGS
 LEARN_PROMPTS = 4096
 
 BENCH_METHODS = ("full", "map_reduce", "map_rerank", "block", "blend", "composite")
@@ -215,6 +216,38 @@ def _ask_server(args, url: str):
             _print_stats(part, f" (kvrag serve at {url})")
 
 
+def cmd_calibrate(args):
+    """`kvrag calibrate`: every input checked before the model loads; the record printed as a table and plotted."""
+    from kvrag import calibrate
+    from kvrag.retrieval import PassageIndex
+
+    calibrate.check_target(args.target, args.floor)
+    questions = calibrate.read_questions(args.questions) if args.questions else None
+    settings = [s.strip() for s in args.settings.split(",") if s.strip()]
+    if args.show:
+        engine = _engine(args, warm_up=False)
+        record = engine.calibration or calibrate.load(engine)
+        if record is None:
+            raise KVRagError(f"no calibration for this model in {calibrate.record_dir(engine.home)}: run `kvrag "
+                             "calibrate` first")
+    else:
+        index = PassageIndex(_chroma(args))
+        if len(index) == 0:
+            raise KVRagError("nothing is indexed yet: run `kvrag index PATH...` first, then calibrate on its passages")
+        engine = _engine(args)
+        record = engine.calibrate(questions, index=index, n=args.count, settings=settings, target=args.target,
+                                  floor=args.floor, top_k=args.top_k, max_new_tokens=args.max_new_tokens,
+                                  seed=args.seed)
+    try:
+        print(calibrate.format_record(record))
+        plot = calibrate.record_path(engine).with_suffix(".png") if args.plot is None else args.plot
+        if plot and importlib.util.find_spec("matplotlib"):
+            print(f"plot: {calibrate.plot_record(record, plot)}")
+    except (KeyError, TypeError, AttributeError) as exc:
+        raise KVRagError(f"the calibration record {calibrate.record_path(engine)} is unreadable ({exc!r}): run "
+                         "`kvrag calibrate` again") from None
+
+
 def cmd_serve(args):
     import uvicorn
 
@@ -223,13 +256,20 @@ def cmd_serve(args):
     from . import client
     from .server import create_app
 
+    if not 0 <= args.shadow <= 1:
+        raise KVRagError(f"--shadow is a share of requests between 0 and 1, got {args.shadow}")
     chroma = _chroma(args)  # replicas given the same Chroma server share one passage index
     index = PassageIndex(chroma)
     options = {"max_request_bytes": args.max_request_bytes, "max_passages": args.max_passages,
                "passage_index": index, "embedder": index.embedder}
-    engine = _engine(args, max_batch=args.max_batch, max_queue=args.max_queue, learn_prompts=args.learn_prompts)
-    app = create_app(engine, api_key=_api_key(args), default_mode=args.mode, model_name=args.served_model_name,
-                     **options)
+    engine = _engine(args, max_batch=args.max_batch, max_queue=args.max_queue, learn_prompts=args.learn_prompts,
+                     default_mode=args.mode or "calibrated", shadow=args.shadow)
+    app = create_app(engine, api_key=_api_key(args), model_name=args.served_model_name, **options)
+    record = engine.calibration
+    why = "--mode" if args.mode else "no calibration record: see `kvrag calibrate`" if record is None else \
+        "calibrated" if record["chosen"] else "calibrated: no reusing setting kept full's answers"
+    print(f"kvrag: requests that name no mode get {engine.default_mode} ({why})"
+          f"{f'; {100 * args.shadow:g}% of the rest shadow-checked against full' if args.shadow else ''}", file=sys.stderr)
     print(f"kvrag: OpenAI-compatible API on http://{args.host}:{args.port}/v1"
           f"{' (API key required)' if _api_key(args) else ''}"
           f"{f'; passages in Chroma at {chroma}' if isinstance(chroma, str) else ''}", file=sys.stderr)
@@ -433,7 +473,8 @@ def cmd_bench_serve(args):
     engine = _engine(args)
     print(f"kvrag serve on localhost: {args.per_client} streamed questions per client (sample corpus, top 4 passages, "
           f"LangChain's retrieval prompt), at most {args.max_new_tokens} new tokens, greedy")
-    benchmark(engine, _home(args), clients, modes, args.per_client, args.max_new_tokens, args.max_batch, args.soak, same)
+    benchmark(engine, _home(args), clients, modes, args.per_client, args.max_new_tokens, args.max_batch, args.soak, same,
+              shadow=args.shadow)
 
 
 def _check_plotting(args) -> None:
@@ -773,11 +814,32 @@ def build_parser(finetune_config: dict | None = None) -> argparse.ArgumentParser
                    help="how passages are used: block reuses their cached KV, full prefills everything, blend "
                         "reuses it and recomputes a share of the passage tokens, those whose KV changes most in "
                         "context, auto as many as hold most of that change, prefix reuses only an exact leading "
-                        "run, composite keeps encode positions (default: full; docs/accuracy.md says why)")
+                        "run, composite keeps encode positions (default: what `kvrag calibrate` chose for this model "
+                        "and home, else full; docs/calibration.md)")
     p.add_argument("--top-k", type=int, default=4, help="passages retrieved for the question")
     p.add_argument("--max-new-tokens", type=int, default=128, help="longest answer in tokens")
     _server_options(p, "searches its passage index and answers, the model loaded there once for every question")
     p.set_defaults(func=cmd_ask)
+
+    p = _command(sub, "calibrate", "measure which reusing mode keeps full's answers on this model and the indexed "
+                                   "passages, and make it the default")
+    p.add_argument("--questions", metavar="FILE", help="sample questions, one a line, or JSON lines {\"question\": "
+                                                       "..., \"answers\": [...]} (default: the model writes --count "
+                                                       "questions about the indexed passages)")
+    p.add_argument("--count", type=int, default=40, help="questions the model writes, without --questions")
+    p.add_argument("--settings", default=",".join(CALIBRATE_SETTINGS),
+                   help="comma-separated reusing settings compared with full: prefix, block, composite, blend, auto, "
+                        "lookahead, auto_lookahead, or blend@R / lookahead@R recomputing a share R")
+    p.add_argument("--target", type=float, default=0.95, help="share of answers that must be full's")
+    p.add_argument("--floor", type=float, default=0.90, help="the least the lower end of that share's 95%% interval "
+                                                             "may be")
+    p.add_argument("--top-k", type=int, default=4, help="passages retrieved per question, as `ask` retrieves them")
+    p.add_argument("--max-new-tokens", type=int, default=24, help="longest answer in tokens")
+    p.add_argument("--seed", type=int, default=0, help="which passages' sentences the model writes questions about")
+    p.add_argument("--show", action="store_true", help="print this model's record and write its plot; measure nothing")
+    p.add_argument("--plot", metavar="PNG", help="agreement against TTFT, per setting (default: beside the record; '' "
+                                                 "for none)")
+    p.set_defaults(func=cmd_calibrate)
 
     p = _command(sub, "serve", "an OpenAI-compatible HTTP API: chat completions reusing passages' KV, embeddings")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on; 0.0.0.0 opens it to the network")
@@ -785,7 +847,12 @@ def build_parser(finetune_config: dict | None = None) -> argparse.ArgumentParser
     p.add_argument("--api-key", help="key every /v1 request must send as 'Authorization: Bearer KEY' "
                                      "(default: $KVRAG_API_KEY, else none: open to whoever reaches the port)")
     p.add_argument("--mode", choices=MODES, help="mode of requests that name none, a request's kvrag.mode "
-                                                 "choosing its own (default: full)")
+                                                 "choosing its own (default: what `kvrag calibrate` chose for this "
+                                                 "model and home, else full)")
+    p.add_argument("--shadow", type=float, default=0.0, metavar="SHARE",
+                   help="share of greedy requests answered in a reusing mode that are answered again in full mode in "
+                        "the background and compared (/metrics: kvrag_shadow_*); when the default mode's agreement "
+                        "falls under the calibrated target, requests that name no mode step to a safer mode; 0: none")
     p.add_argument("--served-model-name", nargs="+", metavar="NAME",
                    help="the model id /v1/models lists and requests send; more names are answered to as well "
                         "(default: the model directory's name, for the default model SmolLM2-135M-Instruct.Q4_1)")
@@ -955,6 +1022,9 @@ def build_parser(finetune_config: dict | None = None) -> argparse.ArgumentParser
     b.add_argument("--max-new-tokens", type=int, default=32, help="longest answer in tokens")
     b.add_argument("--max-batch", type=int, default=16, help="the batched server's --max-batch")
     b.add_argument("--soak", type=int, default=0, help="then this many requests from 16 clients, counting errors")
+    b.add_argument("--shadow", type=float, default=0.0, metavar="SHARE",
+                   help="compare a batched server with --shadow SHARE against one without (cells alternating; "
+                        "repeat a number in --clients for more rounds) instead of the one-at-a-time server")
     b.set_defaults(func=cmd_bench_serve)
 
     b = _command(bench, "vllm", "vLLM alone vs vLLM with kvrag's connector vs kvrag's engine: TTFT with passages "

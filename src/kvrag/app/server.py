@@ -252,6 +252,8 @@ class Metrics:
         self.generated = Counter("kvrag_generated_tokens", "completion tokens generated", registry=registry)
         self.cache_hits = Counter("kvrag_cache_hits", "blocks served from the KV store, by tier", ["tier"],
                                   registry=registry)
+        if getattr(engine, "shadow", None) is not None:
+            registry.register(ShadowCollector(engine.shadow))
 
     def record(self, result) -> None:
         if result.ttft is not None:
@@ -261,6 +263,33 @@ class Metrics:
         self.generated.inc(result.generated_tokens)
         for tier, hits in result.cache_hits.items():
             self.cache_hits.labels(tier).inc(hits)
+
+
+class ShadowCollector:
+    """The engine's shadow checks (kvrag.shadow) per mode: checks, agreements with full, the current window's share
+    that agreed; the checks dropped; the mode of requests that name none."""
+
+    def __init__(self, shadow):
+        self.shadow = shadow
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        checks = CounterMetricFamily("kvrag_shadow_checks", "requests answered again in full mode", labels=["mode"])
+        agreed = CounterMetricFamily("kvrag_shadow_agreements", "shadow checks whose answer was full's",
+                                     labels=["mode"])
+        window = GaugeMetricFamily("kvrag_shadow_agreement", "share of the last shadow checks that agreed with full",
+                                   labels=["mode"])
+        for mode, counts in self.shadow.agreement().items():
+            checks.add_metric([mode], counts["checks"])
+            agreed.add_metric([mode], counts["agreed"])
+            if counts["window"] is not None:
+                window.add_metric([mode], counts["window"])
+        dropped = CounterMetricFamily("kvrag_shadow_dropped", "shadow checks not made: the background queue was full")
+        dropped.add_metric([], self.shadow.dropped)
+        default = GaugeMetricFamily("kvrag_default_mode", "the mode of requests that name none (1)", labels=["mode"])
+        default.add_metric([self.shadow.engine.default_mode], 1)
+        yield from (checks, agreed, window, dropped, default)
 
 
 def queue_depth(engine) -> int:
@@ -356,15 +385,15 @@ def create_app(engine, *, api_key: str | None = None, model_name: str | Sequence
                max_passages: int = MAX_PASSAGES) -> FastAPI:
     """The HTTP API over `engine`. `model_name`: the id clients send and /v1/models lists, or several the server
     answers to, the first listed (default: `default_model_name`). `default_mode`: the mode of requests that
-    name none (default: the engine's `default_mode`). `embedder`: what /v1/embeddings runs, with
+    name none (default: the engine's `default_mode` at each request: calibrated, or stepped down by its shadow
+    checks). `embedder`: what /v1/embeddings runs, with
     `embed(texts)` and `count_tokens(texts)` (default: the packaged MiniLM, loaded on first use).
     `passage_index`: a `kvrag.retrieval.PassageIndex` that /v1/passages also stores the passages in and
     /v1/passages/search retrieves from (default: none, and no search; `kvrag serve` gives it the home's or
     `--chroma`'s). `max_request_bytes`: the largest body taken, 400 beyond (default:
     `default_max_request_bytes`); `max_passages`: the most passages one /v1/passages call may carry, 400
     beyond."""
-    default_mode = default_mode or engine.default_mode
-    if default_mode not in MODES:
+    if default_mode is not None and default_mode not in MODES:
         raise ValueError(f"default_mode must be one of {MODES}, got {default_mode!r}")
     if max_request_bytes is None:
         max_request_bytes = default_max_request_bytes(engine.context_window)
@@ -424,7 +453,8 @@ def create_app(engine, *, api_key: str | None = None, model_name: str | Sequence
     @app.get("/health")
     async def health():
         return {"status": "ok", "model": name, "queue_depth": queue_depth(engine),
-                "active_requests": metrics.in_progress}
+                "active_requests": metrics.in_progress, "default_mode": default_mode or engine.default_mode,
+                "shadow": engine.shadow.agreement() if getattr(engine, "shadow", None) else None}
 
     @app.get("/metrics")
     async def prometheus():
@@ -471,7 +501,7 @@ def create_app(engine, *, api_key: str | None = None, model_name: str | Sequence
         if len(stops) > MAX_STOPS or any(len(stop) > MAX_STOP_CHARS for stop in stops):
             raise APIError(400, f"stop takes at most {MAX_STOPS} sequences of at most {MAX_STOP_CHARS} characters",
                            param="stop")
-        mode = (body.kvrag and body.kvrag.mode) or default_mode
+        mode = (body.kvrag and body.kvrag.mode) or default_mode or engine.default_mode
         options = {
             "mode": mode,
             "max_new_tokens": body.max_completion_tokens or body.max_tokens or DEFAULT_MAX_TOKENS,

@@ -104,9 +104,11 @@ def batch_floor(engine, requests: list[list[dict]], runs: int = 5) -> float:
 
 
 class Server:
-    """`kvrag serve` in a process of its own on a free port; `extra`: global options, `mode`: its --mode."""
+    """`kvrag serve` in a process of its own on a free port; `extra`: global options, `mode`: its --mode, `shadow`:
+    its --shadow."""
 
-    def __init__(self, home: Path, max_batch: int, max_queue: int = 256, extra=(), mode: str | None = None):
+    def __init__(self, home: Path, max_batch: int, max_queue: int = 256, extra=(), mode: str | None = None,
+                 shadow: float = 0.0):
         import socket
 
         with socket.socket() as s:
@@ -115,7 +117,7 @@ class Server:
         self.url = f"http://127.0.0.1:{self.port}"
         command = [str(Path(sys.executable).parent / "kvrag"), "--home", str(home), *extra, "serve", "--port",
                    str(self.port), "--max-batch", str(max_batch), "--max-queue", str(max_queue), "--log-level", "warning",
-                   *(["--mode", mode] if mode else [])]
+                   *(["--mode", mode] if mode else []), *(["--shadow", str(shadow)] if shadow else [])]
         self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         deadline = time.monotonic() + 600
         while True:
@@ -211,13 +213,18 @@ def row(cell: Cell) -> str:
 
 
 def benchmark(engine, home: Path, clients=(1, 4, 16), modes=("block", "full"), per_client: int = 2,
-              max_tokens: int = 32, max_batch: int = 16, soak: int = 0, extra=(), out=print) -> list[Cell]:
+              max_tokens: int = 32, max_batch: int = 16, soak: int = 0, extra=(), out=print,
+              shadow: float = 0.0) -> list[Cell]:
     """The table: every cell on the batched server and on the one-at-a-time server, alternating; then the
-    batch floor, the answers compared, and (`soak` > 0) that many requests from 16 clients at once."""
+    batch floor, the answers compared, and (`soak` > 0) that many requests from 16 clients at once. With
+    `shadow`, the second server is a batched one with `--shadow shadow` instead, and the summary is the cost of
+    its shadow checks: its output tokens/s against the plain server's over every cell, and the checks it made."""
     passages, requests = workload(engine, max(16, max(clients) * per_client))
     engine.index(passages, progress=False)
     floor = batch_floor(engine, requests[:16])
-    servers = {f"batched ({max_batch})": Server(home, max_batch, extra=extra), "one at a time": Server(home, 1, extra=extra)}
+    second = (f"shadow {shadow:g}", Server(home, max_batch, extra=extra, shadow=shadow)) if shadow else \
+        ("one at a time", Server(home, 1, extra=extra))
+    servers = {f"batched ({max_batch})": Server(home, max_batch, extra=extra), second[0]: second[1]}
     cells = []
     try:
         for server in servers.values():
@@ -225,13 +232,15 @@ def benchmark(engine, home: Path, clients=(1, 4, 16), modes=("block", "full"), p
             run_cell(Cell("warm-up", "block", 1), server.url, requests[: len(requests) // per_client], 1, 4)
         out(HEADER)
         for mode in modes:
-            for n in clients:
-                for name, server in servers.items():
+            for k, n in enumerate(clients):  # comparing shadow checks, every other round the other server first
+                for name, server in list(servers.items())[:: -1 if shadow and k % 2 else 1]:
                     cells.append(run_cell(Cell(name, mode, n), server.url, requests, per_client, max_tokens))
                     out(row(cells[-1]))
                     if cells[-1].errors:
                         out(f"  first error: {cells[-1].errors[0]}")
         out(f"\nbatch floor: 16 questions prefilled together over their cached blocks: {floor * 1e3:.0f} ms")
+        if shadow:
+            return _shadow_cost(cells, servers, out)
         for mode in modes:
             top = [c for c in cells if c.mode == mode and c.clients == max(clients)]
             batched, alone = top[0], top[1]
@@ -248,4 +257,17 @@ def benchmark(engine, home: Path, clients=(1, 4, 16), modes=("block", "full"), p
     finally:
         for server in servers.values():
             server.close()
+    return cells
+
+
+def _shadow_cost(cells: list[Cell], servers: dict, out) -> list[Cell]:
+    """Per mode and number of clients, the shadow-checking server's output tokens/s over the plain one's, pooled
+    over the alternating cells; and the checks it made, from its /health."""
+    plain, checked = list(servers)
+    for mode, n in dict.fromkeys((c.mode, c.clients) for c in cells):
+        rate = {name: sum(c.tokens for c in cells if (c.server, c.mode, c.clients) == (name, mode, n)) /
+                sum(c.wall for c in cells if (c.server, c.mode, c.clients) == (name, mode, n)) for name in servers}
+        out(f"{mode}, {n} clients: output tokens/s with shadow checks {rate[checked] / rate[plain]:.3f}x without")
+    health = httpx.get(servers[checked].url + "/health", timeout=60).json()
+    out(f"shadow checks made: {json.dumps(health.get('shadow'))}")
     return cells
