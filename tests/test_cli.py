@@ -119,6 +119,8 @@ def test_the_defaults_written_in_the_cli_are_the_harness_defaults():
     from kvrag import calibrate
 
     assert cli.CALIBRATE_SETTINGS == calibrate.SETTINGS
+    calibrate_options = {a.dest: a.default for a in dict(_parsers(cli.build_parser()))["kvrag calibrate"]._actions}
+    assert (calibrate_options["target"], calibrate_options["floor"]) == (calibrate.TARGET, calibrate.FLOOR)
     assert cli.BLEND_SELECT[0] == BlendConfig.select and set(cli.BLEND_SELECT) == set(
         get_args(BlendConfig.__annotations__["select"])) - {"lookahead"}  # training chooses on layer 1 only
 
