@@ -305,7 +305,7 @@ def on_small_disk(script: str, mount: Path, size: str = "256k", timeout: int = 3
     """Run a bash script with a tmpfs of `size` mounted at `mount`, in a user and mount namespace of its
     own (no root needed; the mount ends with the script). $KVRAG, $PYTHON name the programs."""
     mount.mkdir(parents=True, exist_ok=True)
-    script = f"set -u\nmount -t tmpfs -o size={size} tmpfs {mount}\n" + textwrap.dedent(script)
+    script = f"set -u\nmount -t tmpfs -o size={size},mode=0700 tmpfs {mount}\n" + textwrap.dedent(script)
     env = {**os.environ, "KVRAG": str(KVRAG), "PYTHON": sys.executable, "HF_HUB_OFFLINE": "1"}
     run = subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "bash", "-c", script],
                          capture_output=True, text=True, env=env, timeout=timeout)
@@ -405,6 +405,27 @@ def test_kvrag_index_on_a_full_disk_says_so_in_one_line_and_keeps_what_it_wrote(
     assert set(before) <= set(read("after").splitlines())  # the KV written earlier is intact
 
 
+
+
+def test_kvrag_index_and_ask_with_chroma_on_a_full_disk_say_so_in_one_line(saved_model_and_adapter, notes, tmp_path):
+    """The passage index (embedded Chroma) on a disk that fills: `index` and then `ask` end in one line naming
+    it, not Chroma's traceback."""
+    model_dir, _ = saved_model_and_adapter
+    home, report = tmp_path / "home", tmp_path / "report"
+    report.mkdir()
+    script = f"""
+        export KVRAG_HOME={home}
+        cat /dev/zero > {home}/chroma-filler 2> /dev/null
+        "$KVRAG" --device cpu --model {model_dir} index {notes} > {report}/out1 2> {report}/err1; echo $? > {report}/rc1
+        "$KVRAG" --device cpu --model {model_dir} ask "{QUESTION}" > {report}/out2 2> {report}/err2; echo $? > {report}/rc2
+    """
+    on_small_disk(script, home, size="256k")
+    read = lambda name: (report / name).read_text()  # noqa: E731
+    for n in (1, 2):
+        err = read(f"err{n}")
+        assert read(f"rc{n}").strip() == "2" and "Traceback" not in err, err
+        assert lines(err)[-1].startswith(f"kvrag: error: no space left in {home}"), err
+        assert "for the passage index (Chroma)" in lines(err)[-1], err
 
 
 def test_kvrag_ask_on_a_full_disk_answers_as_before_and_says_so_once(saved_model_and_adapter, notes, tmp_path):

@@ -76,6 +76,28 @@ def test_engine_round_trip_fresh_engine(tmp_path, tok, model0):
     assert r1.text == ref.text
 
 
+def test_claims_left_by_killed_indexers_are_removed_by_the_next_run(tmp_path, tok, model0):
+    """An indexer SIGKILLed while encoding leaves its claim files (its locks die with it); the next run removes
+    those nobody holds, and leaves a live indexer's."""
+    import fcntl
+
+    engine = new_engine(model0, tok, tmp_path)
+    ids = engine.index(PASSAGES, progress=False)
+    claims = engine.store.disk.root / "claims"
+    stale = [claims / f"{block_id.removeprefix('kv_')}.lock" for block_id in ids]
+    for path in stale:
+        path.write_bytes(b"")
+    live = claims / f"{'e' * 32}.lock"
+    held = open(live, "w")
+    fcntl.flock(held, fcntl.LOCK_EX)  # another indexer, encoding now
+    try:
+        again = new_engine(model0, tok, tmp_path)
+        assert again.index(PASSAGES, progress=False) == ids
+        assert not any(path.exists() for path in stale) and live.exists()
+    finally:
+        held.close()
+
+
 @pytest.mark.parametrize("how", DAMAGES)
 def test_engine_recomputes_damaged_file(tmp_path, tok, model0, how):
     ref_logits, ref = reference_run(model0, tok, tmp_path / "ref", PASSAGES)

@@ -282,3 +282,60 @@ def test_disk_tier_keeps_its_budget_evicting_the_least_recently_used(tmp_path):
     two.put(keys["e"], "e", blocks["e"])
     assert on_disk() == ["a", "d", "e"]
 
+
+
+def _planted(tmp_path, plant):
+    """A store whose block's file was replaced by `plant(path)`; then the block read back."""
+    from kvrag.store import BlockShape
+
+    fp, block = "c" * 64, make_block(5, fill=0.3)
+    shape = BlockShape(2, 1, 4, torch.float32, 64)
+    key = KVStore(fp, tmp_path, shape=shape).key("none", block.token_ids)
+    KVStore(fp, tmp_path, shape=shape).put(key, "none", block)
+    path = DiskTier(tmp_path, fp).path(key)
+    path.unlink()
+    plant(path)
+    store = KVStore(fp, tmp_path, shape=shape)
+    with pytest.warns(RuntimeWarning, match="dropping unusable KV file") as said:
+        assert store.disk.read(key, "none") is None
+    assert not path.exists() and len(said) == 1 and "\n" not in str(said[0].message)
+    store.put(key, "none", block)  # computed again, it is stored as a file of its own
+    assert_same_block(KVStore(fp, tmp_path, shape=shape).get(key, "none")[0], block)
+    return str(said[0].message)
+
+
+def test_a_fifo_at_a_blocks_path_is_dropped_not_waited_on(tmp_path):
+    assert "not a regular file" in _planted(tmp_path, os.mkfifo)
+
+
+def test_a_file_larger_than_any_block_is_dropped_unread(tmp_path):
+    def sparse(path):
+        with open(path, "wb") as f:
+            f.truncate(3 << 30)  # 3 GB that take no disk: read whole, they would take 3 GB of memory
+
+    assert "more than a block of this model can hold" in _planted(tmp_path, sparse)
+
+
+def test_a_link_at_a_blocks_path_is_dropped_and_its_target_left_alone(tmp_path):
+    outside = tmp_path / "outside.txt"
+    outside.write_text("someone else's file")
+    _planted(tmp_path / "kv", lambda path: path.symlink_to(outside))
+    assert outside.read_text() == "someone else's file"
+
+
+def test_a_home_every_user_can_write_in_is_named_in_one_line(tmp_path, tok):
+    from tiny import tiny_configs, tiny_model
+
+    from kvrag import KVEngine
+
+    home = tmp_path / "shared-home"
+    home.mkdir()
+    home.chmod(0o777)
+    with pytest.warns(RuntimeWarning, match=f"every user can write in {home} \\(mode 0o777\\)") as said:
+        KVEngine(tiny_model(tiny_configs(len(tok))["llama"], 0), tok, home=home, default_mode="full")
+    assert len([w for w in said if "every user can write" in str(w.message)]) == 1
+    home.chmod(0o755)
+    private = tmp_path / "private-home"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        KVEngine(tiny_model(tiny_configs(len(tok))["llama"], 0), tok, home=private, default_mode="full")

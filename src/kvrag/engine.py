@@ -26,7 +26,7 @@ from .assemble import Blocks
 from .blend import BlendConfig
 from .decode import Generation, GenerationResult, GenerationStream, Prefiller, Sampler
 from .errors import ContextOverflowError, EmptyInputError, UnknownBlockError
-from .locks import file_lock
+from .locks import file_lock, sweep
 from .match import PassageMatcher, unmarked_passages
 from .paths import kvrag_home, writable_home
 from .prompt import Prompt, PromptFormat, PromptLayout, check_text
@@ -274,6 +274,8 @@ class KVEngine:
         texts = list(texts) if not isinstance(texts, str) else [texts]
         if not texts:
             raise EmptyInputError("no passages to index")
+        if self.remote is None and self.store.disk is not None:  # the claims of indexers killed before
+            sweep(self.store.disk.root / "claims")
         names = list(names) if names is not None else [f"passage {i}" for i in range(len(texts))]
         texts = [check_text(t, name) for t, name in zip(texts, names, strict=True)]
         prefix = self.layout.prefix_ids

@@ -8,6 +8,7 @@ releases its locks with it: nothing is left locked behind a crash.
 
 import fcntl
 import os
+import stat
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -48,3 +49,27 @@ def file_lock(path: str | Path, *, wait: bool = True, remove: bool = False):
         if remove:
             path.unlink(missing_ok=True)  # still holding the lock: nobody can be granted this file now
         os.close(fd)
+
+
+def sweep(directory: str | Path) -> int:
+    """Remove the lock files in `directory` that nobody holds: a process killed while it held one took its lock
+    with it but left the file. Each is removed while locked here, so `file_lock`'s next caller makes a new one.
+    Returns how many went."""
+    removed = 0
+    for path in Path(directory).glob("*.lock"):
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                continue
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if (os.fstat(fd).st_ino, os.fstat(fd).st_dev) == (os.stat(path).st_ino, os.stat(path).st_dev):
+                path.unlink()
+                removed += 1
+        except OSError:  # held by a live process (BlockingIOError), or gone meanwhile
+            pass
+        finally:
+            os.close(fd)
+    return removed

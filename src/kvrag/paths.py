@@ -5,6 +5,7 @@ import hashlib
 import os
 import shutil
 import uuid
+import warnings
 from pathlib import Path
 
 from .errors import DiskFullError, KVRagError
@@ -41,7 +42,27 @@ def writable_home(home: Path) -> Path:
             raise disk_full(exc, home, 0) from exc
         raise KVRagError(f"kvrag keeps its files in {home} (KVRAG_HOME or --home), which is not a writable "
                          f"directory: {exc.strerror or exc}") from exc
+    for directory in (home, home / "kv"):
+        name_if_open_to_all(directory)
     return home
+
+
+def name_if_open_to_all(directory: Path) -> None:
+    """One line (a RuntimeWarning, once per directory) where every user of the machine may write in `directory`:
+    another user could plant files there that kvrag reads. Checked, not refused: what is read from it is checked
+    as untrusted anyway."""
+    try:
+        mode = os.stat(directory).st_mode
+    except OSError:
+        return
+    if mode & 0o002 and str(directory) not in _NAMED:
+        _NAMED.add(str(directory))
+        warnings.warn(f"kvrag: every user can write in {directory} (mode {oct(mode & 0o7777)}): another user could "
+                      f"plant files that kvrag reads; make it yours alone (chmod o-w {directory})", RuntimeWarning,
+                      stacklevel=3)
+
+
+_NAMED: set[str] = set()
 
 
 def check_model_path(model: str | os.PathLike | None) -> None:

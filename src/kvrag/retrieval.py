@@ -25,9 +25,10 @@ from contextlib import closing, contextmanager
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from .errors import ChromaUnavailableError
+from .errors import ChromaUnavailableError, DiskFullError
 from .locks import file_lock
 from .match import registered_passages
+from .paths import FULL
 
 COSINE = {"hnsw:space": "cosine"}
 """Collection metadata: the embeddings are unit vectors, so cosine distance ranks them. (Chroma 1.x
@@ -101,16 +102,31 @@ def _transport_error(exc: BaseException):
 @contextmanager
 def chroma_errors(location: str | Path):
     """Inside it, a Chroma server at `location` that cannot be reached raises ChromaUnavailableError
-    naming the URL (Chroma's client raises httpx's errors, or a ValueError that names no URL)."""
+    naming the URL (Chroma's client raises httpx's errors, or a ValueError that names no URL), and an embedded
+    Chroma on a full disk raises DiskFullError naming its directory (Chroma's own is SQLite's, many lines deep)."""
     try:
         yield
-    except ChromaUnavailableError:
+    except (ChromaUnavailableError, DiskFullError):
         raise
-    except Exception as exc:
+    except BaseException as exc:  # Chroma's Rust core raises a BaseException on some of its errors
+        if not is_url(location) and _disk_is_full(exc):
+            raise DiskFullError(f"no space left in {location} for the passage index (Chroma): free some space, or "
+                                "give kvrag another home (--home, KVRAG_HOME)") from None
+        if not isinstance(exc, Exception):
+            raise
         cause = _transport_error(exc) if is_url(location) else None
         if cause is None:
             raise
         raise _unavailable(str(location), str(cause) or type(cause).__name__) from exc
+
+
+def _disk_is_full(exc: BaseException) -> bool:
+    """Whether `exc` (or what caused it) says the disk or quota is full: an OSError, or SQLite's words."""
+    while exc is not None:
+        if isinstance(exc, OSError) and exc.errno in FULL or "database or disk is full" in str(exc):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
 
 
 def _heartbeat(url: str) -> None:
@@ -164,7 +180,7 @@ def chroma_collection(location: str | Path, name: str, *, rebuild=None):
         with chroma_errors(location):
             return chroma_client(location).get_or_create_collection(name, embedding_function=None, metadata=COSINE)
     directory = Path(location).absolute()
-    with file_lock(_lock_path(directory)):
+    with chroma_errors(directory), file_lock(_lock_path(directory)):
         _, collection, damage = _open_embedded(directory, name)
         if damage and rebuild is not None:
             damage += f"; {rebuild(collection)}"

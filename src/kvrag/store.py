@@ -23,6 +23,7 @@ import hmac
 import json
 import os
 import shutil
+import stat
 import threading
 import time
 import warnings
@@ -91,6 +92,12 @@ class BlockShape:
                            f"{list(expected)}")
         if not 0 < tokens <= self.max_tokens or not 0 <= start < self.max_tokens:
             raise BadBlock(f"{tokens} tokens from position {start}, beyond the model's {self.max_tokens}")
+
+    def max_bytes(self) -> int:
+        """The most bytes `pack` writes for a block of this model: its longest keys, values and token ids, and
+        the largest header read."""
+        itemsize = torch.tensor([], dtype=self.dtype).element_size()
+        return 8 + MAX_HEADER + self.max_tokens * (4 + 2 * self.layers * self.kv_heads * self.head_dim * itemsize)
 
 
 def ids_digest(token_ids) -> str:
@@ -390,6 +397,22 @@ class DiskBudget:
         return total
 
 
+def _read_regular(path: Path, most: int | None) -> bytes:
+    """The bytes of the regular file at `path`, opened without following a link or waiting on a FIFO;
+    BadBlock for anything else, or for a file over `most` bytes (checked before reading)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise BadBlock("not a regular file")
+        if most is not None and info.st_size > most:
+            raise BadBlock(f"{info.st_size} bytes, more than a block of this model can hold ({most})")
+        with os.fdopen(os.dup(fd), "rb") as f:
+            return f.read(info.st_size + 1)
+    finally:
+        os.close(fd)
+
+
 class DiskTier:
     """One safetensors file per block under root/<key[:2]>/<key>.safetensors, within a `DiskBudget` of
     `budget` bytes for every block file under `budget_root` (default: root; the engine's is the home's kv/,
@@ -426,15 +449,15 @@ class DiskTier:
 
     def read(self, key: str, context: str) -> KVBlock | None:
         """The tensors come from one read of the file into memory: `safe_open`'s would stay mapped to the
-        file, and a file truncated later would end the process."""
+        file, and a file truncated later would end the process. Only a regular file is read (a FIFO would block
+        for ever, a link may lead out of the home), and only if no larger than a block of this model can be."""
         path = self.path(key)
         try:
-            data = path.read_bytes()
+            data = _read_regular(path, self.shape.max_bytes() if self.shape is not None else None)
+            block = unpack(data, self.fingerprint, key, context, self.shape, self.secret)
         except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
             return None
-        try:
-            block = unpack(data, self.fingerprint, key, context, self.shape, self.secret)
-        except Exception as exc:  # any defect means the file must not be served
+        except Exception as exc:  # any defect (a link, a FIFO, too large, bad bytes) means the file must not be served
             warnings.warn(f"kvrag: dropping unusable KV file {path}: {exc}", RuntimeWarning, stacklevel=4)
             path.unlink(missing_ok=True)
             return None
