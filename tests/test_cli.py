@@ -405,3 +405,31 @@ def test_export_writes_the_weights_the_engine_answers_with(saved_model_and_adapt
     capsys.readouterr()
     assert main([*options, "export", str(out)]) == 2
     assert capsys.readouterr().err == f"kvrag: error: {out} exists: export writes a new model directory\n"
+
+
+def test_ctrl_c_while_indexing_ends_in_one_line_and_keeps_what_was_stored(saved_model_and_adapter, tmp_path):
+    """SIGINT (Ctrl-C) while `kvrag index` encodes: one line, exit status 130, no traceback; the blocks stored
+    before it stay, and a second run stores the rest."""
+    import signal
+    import subprocess
+    import time
+
+    model_dir, _ = saved_model_and_adapter
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "long.md").write_text("\n\n".join(f"Passage {i} says that the keeper number {i} lit lamp {i * 7}."
+                                              for i in range(3000)))
+    kvrag = [sys.executable, "-m", "kvrag.app.cli", "--device", "cpu", "--model", str(model_dir),
+             "--home", str(tmp_path / "home"), "index", str(docs), "--max-tokens", "24"]
+    run = subprocess.Popen(kvrag, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    seen = ""
+    while "encoding passages" not in seen:  # interrupted while it encodes
+        seen += run.stderr.read(1)
+        assert run.poll() is None, seen
+    time.sleep(1)
+    run.send_signal(signal.SIGINT)
+    err = seen + run.stderr.read()
+    assert run.wait(60) == 130, err
+    assert "Traceback" not in err and err.strip().splitlines()[-1].startswith("kvrag: interrupted"), err
+    stored = list((tmp_path / "home" / "kv").rglob("*.safetensors"))
+    assert stored and not list((tmp_path / "home").rglob("*.tmp"))

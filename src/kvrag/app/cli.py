@@ -1084,6 +1084,9 @@ def main(argv=None) -> int:
     except (KVRagError, FileNotFoundError, ValueError) as exc:
         print(f"kvrag: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: what was finished is on disk already (every block is written whole)
+        print("\nkvrag: interrupted; what was finished is kept", file=sys.stderr)
+        return 130
     return 0
 
 
