@@ -21,7 +21,7 @@ import re
 import statistics
 import time
 import warnings
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from pathlib import Path
 
 from tqdm.auto import tqdm
@@ -53,26 +53,17 @@ def version() -> str:
         return "unknown"
 
 
-_SETTING_MODES = {"prefix": ("prefix", {}), "block": ("block", {}), "composite": ("composite", {}),
-                  "blend": ("blend", {}), "auto": ("auto", {}), "lookahead": ("blend", {"select": "lookahead"}),
-                  "auto_lookahead": ("auto", {"select": "lookahead"})}
-_AT_SHARE = re.compile(r"(blend|lookahead)@(0(?:\.\d+)?|1(?:\.0*)?)")
-
-
 def setting_mode(setting: str, blend: BlendConfig) -> tuple[str, BlendConfig]:
-    """The mode and blend settings a setting's requests run with, as `kvrag bench accuracy`'s method of that name
-    runs them: "blend@R" recomputes a share R, "lookahead@R" a share R chosen by the question, the rest are
-    `_SETTING_MODES` over `blend` (the engine's)."""
-    at = _AT_SHARE.fullmatch(setting)
-    if at:
-        changes = {"recompute_ratio": float(at.group(2)), **({"select": "lookahead"} if at.group(1) == "lookahead"
-                                                             else {})}
-        return "blend", replace(blend, **changes)
-    if setting not in _SETTING_MODES:
-        raise ValueError(f"unknown setting {setting!r}: choose from {', '.join(_SETTING_MODES)}, or blend@R "
+    """The mode and blend settings a setting's requests run with: those of `kvrag bench accuracy`'s method of that
+    name (kvrag.eval.accuracy.runner; "blend@R" recomputes a share R, "lookahead@R" a share R chosen by the
+    question), over `blend` (the engine's). Full and the chains are not reusing settings."""
+    from kvrag.eval.accuracy import MODE_METHODS, runner
+
+    run = runner(setting)
+    if run is None or getattr(run, "mode", "full") == "full":
+        raise ValueError(f"unknown setting {setting!r}: choose from {', '.join(MODE_METHODS[1:])}, or blend@R "
                          "(lookahead@R) recomputing a share R between 0 and 1")
-    mode, changes = _SETTING_MODES[setting]
-    return mode, replace(blend, **changes)
+    return run.mode, run.blend_for(blend)
 
 
 def check_target(target: float, floor: float) -> None:
@@ -219,8 +210,8 @@ def calibrate(engine, index, questions=None, *, n: int = 40, settings=SETTINGS, 
     folder.mkdir(parents=True, exist_ok=True)
     results = folder / f"{engine.fingerprint[:16]}.answers.jsonl"
     _start_afresh_unless_resumable(results, _settings(engine, max_new_tokens, dataset))
-    evaluate(engine, examples, ["full", *settings], max_new_tokens=max_new_tokens, results=results, dataset=dataset,
-             progress=progress)
+    answered = evaluate(engine, examples, ["full", *settings], max_new_tokens=max_new_tokens, results=results,
+                        dataset=dataset, progress=progress)
     rows = {row["method"]: row for row in curve_rows([results])}
     gold = any(answers for _, answers in questions)
     measured = [_row(setting, rows[setting], engine.blend, gold) for setting in settings]
@@ -229,7 +220,8 @@ def calibrate(engine, index, questions=None, *, n: int = 40, settings=SETTINGS, 
     record = {**identity(engine), "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "questions": len(examples),
               "source": source, "top_k": top_k, "max_new_tokens": max_new_tokens, "target": target, "floor": floor,
               "full": {"ttft": full["ttft"], "accuracy": full["accuracy"] if gold else None,
-                       "prompt_tokens": _median_prompt(results)},
+                       "prompt_tokens": int(statistics.median(r.prompt_tokens for r in answered
+                                                               if r.method == "full"))},
               "settings": measured, "chosen": chosen}
     _write_atomic(record_path(engine), json.dumps(record, indent=1) + "\n")
     return record
@@ -245,13 +237,6 @@ def _start_afresh_unless_resumable(results: Path, settings: dict) -> None:
         found = None
     if found != settings and results.exists():
         results.unlink()
-
-
-def _median_prompt(results: Path) -> int:
-    from kvrag.eval.accuracy import read_results
-
-    _, records = read_results(results)
-    return int(statistics.median(r.prompt_tokens for r in records if r.method == "full"))
 
 
 def _row(setting: str, row: dict, blend: BlendConfig, gold: bool) -> dict:

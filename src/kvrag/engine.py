@@ -149,10 +149,9 @@ class KVEngine:
         self.learn_prompts = self._learn_left = learn_prompts
         self._special_tokens = tuple(tokenizer.all_special_tokens)  # where a chat template's parts begin and end
         self._said: set[str] = set()  # the warnings said once
-        self.calibrated = default_mode == "calibrated"
-        self.calibration = calibrate.load(self) if self.calibrated and persist else None
-        self.default_mode, self.blend = calibrate.chosen(self.calibration, self.blend) if self.calibrated else \
-            (default_mode, self.blend)
+        self.calibrated, self.calibration, self.default_mode = default_mode == "calibrated", None, default_mode
+        if self.calibrated:
+            self.use_calibration(calibrate.load(self) if persist else None)
         self.shadow = None
         if shadow:
             from .shadow import Shadow
@@ -387,9 +386,14 @@ class KVEngine:
         index = index if index is not None else PassageIndex(chroma_url() or self.home / "chroma")
         record = calibrate.calibrate(self, index, questions, **options)
         if self.calibrated:
-            self.calibration = record
-            self.default_mode, self.blend = calibrate.chosen(record, self.blend)
+            self.use_calibration(record)
         return record
+
+    def use_calibration(self, record: dict | None) -> None:
+        """Answer requests that name no mode as `record` chose (None, or no choice: full), with the blend settings
+        it measured."""
+        self.calibration = record
+        self.default_mode, self.blend = calibrate.chosen(record, self.blend)
 
     # ---- prompt: a request -> token ids by block -----------------------------------------------------
 

@@ -97,13 +97,11 @@ class Shadow:
         record = calibrate.load(self.engine)
         if record is None or record.get("chosen") is None:
             return
-        engine = self.engine
-        engine.calibration = record
-        engine.default_mode, engine.blend = calibrate.chosen(record, engine.blend)
+        self.engine.use_calibration(record)
         self.target = record.get("target", self.target)
         self.checks.clear()
         self.stepped.clear()
-        log.warning("kvrag: recalibrated: requests that name no mode get %s again", engine.default_mode)
+        log.warning("kvrag: recalibrated: requests that name no mode get %s again", self.engine.default_mode)
 
     def agreement(self) -> dict[str, dict]:
         """Per mode: checks and agreements since start, and the share that agreed in the current window."""

@@ -96,8 +96,8 @@ class BlockShape:
     def max_bytes(self) -> int:
         """The most bytes `pack` writes for a block of this model: its longest keys, values and token ids, and
         the largest header read."""
-        itemsize = torch.tensor([], dtype=self.dtype).element_size()
-        return 8 + MAX_HEADER + self.max_tokens * (4 + 2 * self.layers * self.kv_heads * self.head_dim * itemsize)
+        return 8 + MAX_HEADER + self.max_tokens * (4 + 2 * self.layers * self.kv_heads * self.head_dim *
+                                                   self.dtype.itemsize)
 
 
 def ids_digest(token_ids) -> str:

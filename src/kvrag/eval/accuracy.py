@@ -74,15 +74,19 @@ def flops_generation(config, prompt_tokens: int, generated: int) -> float:
 
 def _mode(mode: str, blend: BlendConfig | None = None, ratio: float | None = None, select: str | None = None) -> Callable:
     """A method answering in `mode` from one prompt; blend with `blend`'s settings, or the engine's with
-    `ratio` as the share recomputed and `select` as the choice, where given."""
+    `ratio` as the share recomputed and `select` as the choice, where given. The method carries its `mode` and
+    `blend_for(engine_blend)`, the blend settings it answers with (kvrag.calibrate reads both)."""
+    changed = {k: v for k, v in (("recompute_ratio", ratio), ("select", select)) if v is not None}
+
+    def blend_for(engine_blend: BlendConfig) -> BlendConfig:
+        return replace(engine_blend, **changed) if changed else blend or engine_blend
 
     def run(engine, example: QAExample, max_new_tokens: int, layout: str = OWN) -> Answer:
         return submit(engine, example, max_new_tokens, layout)()
 
     def submit(engine, example: QAExample, max_new_tokens: int, layout: str = OWN) -> Callable[[], Answer]:
         """Hand the question to the engine's scheduler now; the returned call waits for its answer."""
-        changed = {k: v for k, v in (("recompute_ratio", ratio), ("select", select)) if v is not None}
-        settings = replace(engine.blend, **changed) if changed else blend
+        settings = blend_for(engine.blend)
         options = {"mode": mode, "max_new_tokens": max_new_tokens, "blend": settings}
         if layout == OWN:
             stream = engine.stream(example.question, list(example.passages), **options)
@@ -97,7 +101,7 @@ def _mode(mode: str, blend: BlendConfig | None = None, ratio: float | None = Non
             else:
                 question = len(engine.prompt_from_text(text)[0].question)
             config = engine.model.config
-            if mode in ("blend", "auto") and (settings or engine.blend).select == "lookahead":
+            if mode in ("blend", "auto") and settings.select == "lookahead":
                 flops = flops_lookahead(config, r.prompt_tokens - question, question, r.prefilled_tokens - 2 * question)
             elif mode in ("blend", "auto"):
                 flops = flops_blend(config, r.prompt_tokens - question, question, r.prefilled_tokens - question)
@@ -111,7 +115,7 @@ def _mode(mode: str, blend: BlendConfig | None = None, ratio: float | None = Non
         answer.cancel = stream.cancel
         return answer
 
-    run.submit = submit
+    run.submit, run.mode, run.blend_for = submit, mode, blend_for
     return run
 
 
