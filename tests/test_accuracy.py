@@ -14,8 +14,8 @@ from kvrag.app.cli import main
 from kvrag.decode import TOP_LOGPROBS
 from kvrag.eval.accuracy import (METHODS, MODE_METHODS, RUNNERS, Record, adapter_effect, against_full, check_methods,
                                  curve_plot, curve_table, evaluate, first_token_kl, flops_generation, format_against_full,
-                                 format_table, paired_interval, plot, points, pooled_against_full, read_results,
-                                 summarize, weights_table)
+                                 format_table, paired_interval, paired_rows, paired_table, plot, points,
+                                 pooled_against_full, read_results, summarize, weights_table)
 from kvrag.eval.ttft import flops_to_first_token, layer_flops
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -404,3 +404,31 @@ def test_the_same_weights_table_pairs_each_mode_with_full_per_question(tmp_path)
     across = write_results(tmp_path / "x.jsonl", "adapter", "squad", adapter, causal="published")
     with pytest.raises(KVRagError, match="not like for like"):
         weights_table([across])
+
+
+def test_paired_table_compares_one_setting_against_its_base_per_question(tmp_path):
+    """Two files on the same weights and questions, the second with its KV stored in 4 bits: block's agreement with
+    the base file's full answer and its accuracy, each minus the base file's block, a question counted once."""
+    ids = [f"q{i}" for i in range(10)]
+    layouts = ("kvrag", "numbered")
+    base = {(layout, m, i): k < 6 for layout in layouts for m in ("full", "block") for k, i in enumerate(ids)}
+    # 4-bit block: wrong on q0 in both layouts, on q1 in one: two questions lose agreement, 1.5 answers of 20 in all
+    other = {(layout, "block", i): k < 6 and not (i == "q0" or (i == "q1" and layout == "kvrag"))
+             for layout in layouts for k, i in enumerate(ids)}
+    for name, answers in (("base", base), ("int4", other)):
+        write_results(tmp_path / f"squad-{name}.jsonl", "adapter", "squad", answers)
+    other_file = tmp_path / "squad-int4.jsonl"
+    lines = other_file.read_text().splitlines()
+    settings = json.loads(lines[0])
+    settings["settings"]["storage"] = "int4"
+    other_file.write_text("\n".join([json.dumps(settings), *lines[1:]]) + "\n")
+    paths = [tmp_path / "squad-base.jsonl", other_file]
+    [row] = paired_rows(paths)
+    assert (row["setting"], row["corpus"], row["method"]) == ("int4", "SQuAD", "block")
+    assert sorted(row["agree"]) == [-1.0, -0.5] + [0.0] * 8 and row["accuracy"] == row["agree"]
+    assert row["first"] == [] and row["kl"] == []  # the records hold no first tokens: nothing to judge
+    table = paired_table(paths).splitlines()
+    assert table[2].startswith("| int4 storage | SQuAD | block | 10 | −15.0 ± ")
+    assert len(paired_rows(paths + paths)) == 3  # two pairs of one setting: their rows and the pooled one
+    with pytest.raises(ValueError, match="pairs"):
+        paired_rows(paths[:1])

@@ -8,8 +8,9 @@ from dataclasses import dataclass
 
 import torch
 
-from . import families, kernels
+from . import families, kernels, quant
 from .attention import APE_READING, forward, forward_packed
+from .quant import Quantized
 from .rope import delta_cos_sin, shift_keys
 from .store import BadBlock, KVBlock, KVStore
 from .workspace import Workspace, WorkspacePool
@@ -29,7 +30,8 @@ def fill(workspace: Workspace, pieces: list[Piece], inv_freq: torch.Tensor, slot
 
     On a GPU nothing here waits for the device: blocks come from pinned host memory (or are on the
     device already) through `non_blocking` copies and the rotation runs on the device, so the caller
-    goes on to fetch the next block while this one is copied."""
+    goes on to fetch the next block while this one is copied. 8- and 4-bit blocks are dequantized on the way
+    (on the CPU by the C kernel where it applies, in one pass with the rotation)."""
     lib = kernels.library()
     for piece in pieces:
         block, n = piece.block, len(piece.block)
@@ -41,6 +43,11 @@ def fill(workspace: Workspace, pieces: list[Piece], inv_freq: torch.Tensor, slot
         cos, sin = delta_cos_sin(delta, inv_freq, keys.dtype)
         if lib and kernels.fill_applies(block.keys, block.values, keys, values):
             kernels.fill_block(lib, block.keys, block.values, keys, values, cos, sin)
+        elif lib and kernels.fill_quantized_applies(block.keys, block.values, keys, values):
+            kernels.fill_quantized(lib, block.keys, block.values, keys, values, cos, sin)
+        elif isinstance(block.keys, Quantized):
+            quant.dequantize_into(block.keys, keys, *((cos, sin) if delta else ()))
+            quant.dequantize_into(block.values, values)
         else:
             if delta == 0:
                 keys.copy_(block.keys, non_blocking=True)
@@ -142,9 +149,15 @@ class Blocks:
 
     def copy_out(self, ws: Workspace, slot: int, ids: list[int]) -> KVBlock:
         """A stored copy of the KV that `ids` left in workspace slots slot.. (keys as encoded there): on
-        the host in the storage dtype, pinned for a GPU, and complete when this returns."""
+        the host in the storage dtype or format (quantized where the workspace is), pinned for a GPU, and complete
+        when this returns."""
         span = slice(slot, slot + len(ids))
-        keys, values = (self.store.host_copy(t[:, 0, :, span], self.storage_dtype) for t in (ws.keys, ws.values))
+        bits = quant.bits_of(self.storage_dtype)
+        if bits is None:
+            keys, values = (self.store.host_copy(t[:, 0, :, span], self.storage_dtype) for t in (ws.keys, ws.values))
+        else:
+            keys, values = (quant.quantize(t[:, 0, :, span], bits, per).map(lambda x: self.store.host_copy(x, x.dtype))
+                            for t, per in ((ws.keys, quant.KEYS), (ws.values, quant.VALUES)))
         return KVBlock(torch.tensor(ids, dtype=torch.long), keys, values, slot)
 
     def fetch(self, key: str, context: str, ids: list[int], after: list[int] | None = None, disk: bool = True):

@@ -156,10 +156,11 @@ def layout_digest(engine) -> str:
 
 
 def identity(engine) -> dict:
-    """What a record holds for: the weights (and adapter), the causal weights, the block context, the prompt layout
-    and kvrag's version. A record is used only by an engine whose identity is the same."""
+    """What a record holds for: the weights (and adapter), the causal weights, the block context, the stored KV's
+    format, the prompt layout and kvrag's version. A record is used only by an engine whose identity is the same."""
     return {"model": engine.fingerprint, "causal_model": engine.causal_fingerprint, "adapter": engine.adapter,
-            "block_context": engine.block_context, "layout": layout_digest(engine), "kvrag": version()}
+            "block_context": engine.block_context, "storage": str(engine.storage_dtype).removeprefix("torch."),
+            "layout": layout_digest(engine), "kvrag": version()}
 
 
 def record_dir(home: str | Path) -> Path:

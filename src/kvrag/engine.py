@@ -32,7 +32,7 @@ from .paths import kvrag_home, writable_home
 from .prompt import Prompt, PromptFormat, PromptLayout, check_text
 from .remote import Remote, shared_secret
 from .scheduler import Scheduler
-from .store import BlockShape, KVStore, default_storage_dtype, parse_size
+from .store import BlockShape, KVStore, parse_size, storage_format
 from .workspace import WorkspacePool
 
 ADAPTER_SCOPES = ("block", "all")
@@ -75,7 +75,7 @@ _SHARED_LOCK = threading.Lock()
 
 class KVEngine:
     def __init__(self, model, tokenizer, *, causal_model=None, block_context: str = "none",
-                 storage_dtype: torch.dtype | None = None, memory_budget: int = 1 << 30, device_budget: int = 0,
+                 storage_dtype: torch.dtype | str | None = None, memory_budget: int = 1 << 30, device_budget: int = 0,
                  prompt_format: PromptFormat | None = None, home: str | Path | None = None, persist: bool = True,
                  fingerprint: str | None = None, causal_fingerprint: str | None = None,
                  blend: BlendConfig | None = None, max_batch: int = 16, max_queue: int = 256,
@@ -86,7 +86,8 @@ class KVEngine:
         `model` carries a block-tuned adapter (default: `model` in every mode). The engine runs on the
         model's device. `block_context`: what a passage is encoded after and how block mode reads it, one of
         BLOCK_CONTEXTS (see assemble.Blocks; "none", Block-Attention's exact definition, by default here).
-        `storage_dtype`: the stored KV's (default: the model's half dtype, else float16).
+        `storage_dtype`: the stored KV's dtype, or "int8"/"int4" for 8- and 4-bit codes with scales (quant.py; a
+        quarter of float16's bytes at 4 bits) (default: $KVRAG_STORAGE, else the model's half dtype, else float16).
         `memory_budget`: bytes of KV kept in (host) memory; `device_budget`: bytes kept on the GPU besides,
         the most used blocks (each per weight set). `fingerprint`, `causal_fingerprint`: the models'
         `loading.fingerprint`s, when known (computed otherwise). `blend`: the default of blend mode's
@@ -112,7 +113,8 @@ class KVEngine:
             raise ValueError(f"block_context must be one of {BLOCK_CONTEXTS}, got {block_context!r}")
         self.model, self.tokenizer = loading.prepare(model), tokenizer
         self.block_context = block_context
-        self.storage_dtype = storage_dtype = storage_dtype or default_storage_dtype(model.dtype)
+        self.storage_dtype = storage_dtype = storage_format(
+            storage_dtype if storage_dtype is not None else os.environ.get("KVRAG_STORAGE"), model.dtype)
         self.layout = PromptLayout(tokenizer, prompt_format)
         self.fingerprint = fingerprint or loading.fingerprint(model, tokenizer)
         self.home = Path(home) if home is not None else kvrag_home()

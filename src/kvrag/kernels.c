@@ -7,7 +7,8 @@
 // attend_bf16, where the compiler targets AVX512-BF16: the same with the two products (query . key,
 // probability . value) in bfloat16 pairs summed into float32 (vdpbf16ps, twice the float32 rate);
 // softmax and sums stay float32.
-// fill_block: a cached float16 block converted and rotated into the request's float32 buffers.
+// fill_block: a cached float16 block converted and rotated into the request's float32 buffers; fill_quantized
+// the same for an 8- or 4-bit block, dequantized on the way.
 // float32 compute, head_dim 64; compiled with cc -O3 -march=native -fopenmp by kernels.build(), which
 // links it against torch's own libgomp: one OpenMP runtime, one thread pool, in the process.
 #include <immintrin.h>
@@ -312,6 +313,60 @@ int fill_block(const unsigned short* k16, const unsigned short* v16, float* kout
             _mm512_storeu_ps(ko + 48, _mm512_fmadd_ps(k1, s1, _mm512_mul_ps(k3, c1)));
             for (int j = 0; j < D; j += 16)
                 _mm512_storeu_ps(vo + j, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(vr + j))));
+        }
+    }
+    return 0;
+}
+
+// 16 codes of one row as floats: 8-bit codes one a byte; 4-bit codes two a byte, channel i in the low half and
+// channel i + 32 in the high half of byte i (quant.py's packing), so part p of 4 reads byte p % 2 * 16 on.
+static inline __m512 codes16(const unsigned char* row, int bits, int part) {
+    __m128i b;
+    if (bits == 8) {
+        b = _mm_loadu_si128((const __m128i*)(row + 16 * part));
+    } else {
+        b = _mm_loadu_si128((const __m128i*)(row + 16 * (part & 1)));
+        if (part >= 2) b = _mm_srli_epi16(b, 4);
+        b = _mm_and_si128(b, _mm_set1_epi8(0x0F));
+    }
+    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b));
+}
+
+// fill_block for an 8- or 4-bit block (quant.py): codes dequantized (low + code * scale) in registers, keys
+// rotated as above, both written as float32. kc, vc: [groups][n][D * bits / 8] codes; ks, kl: [groups][D] float16
+// scale and low end per key channel; vs, vl: [groups][n] per value token. Returns -1, writing nothing, where the
+// block would not fit the buffers or `bits` is neither 8 nor 4.
+int fill_quantized(const unsigned char* kc, const unsigned short* ks, const unsigned short* kl,
+                   const unsigned char* vc, const unsigned short* vs, const unsigned short* vl,
+                   float* kout, float* vout, int groups, int n, int bits, long group_stride,
+                   const float* cos, const float* sin, int threads, long capacity) {
+    if ((bits != 8 && bits != 4) || groups <= 0 || n <= 0 || (long)n * D > group_stride ||
+        (long)(groups - 1) * group_stride + (long)n * D > capacity)
+        return -1;
+    const int width = D * bits / 8;
+    __m512 c0 = _mm512_loadu_ps(cos), c1 = _mm512_loadu_ps(cos + 16);
+    __m512 s0 = _mm512_loadu_ps(sin), s1 = _mm512_loadu_ps(sin + 16);
+    #pragma omp parallel for schedule(static) num_threads(threads)
+    for (int g = 0; g < groups; g++) {
+        __m512 scale[4], low[4];
+        for (int p = 0; p < 4; p++) {
+            scale[p] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(ks + (long)g * D + 16 * p)));
+            low[p] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(kl + (long)g * D + 16 * p)));
+        }
+        for (int t = 0; t < n; t++) {
+            const unsigned char* kr = kc + ((long)g * n + t) * width;
+            const unsigned char* vr = vc + ((long)g * n + t) * width;
+            float* ko = kout + g * group_stride + (long)t * D;
+            float* vo = vout + g * group_stride + (long)t * D;
+            __m512 k[4];
+            for (int p = 0; p < 4; p++) k[p] = _mm512_fmadd_ps(codes16(kr, bits, p), scale[p], low[p]);
+            _mm512_storeu_ps(ko, _mm512_fnmadd_ps(k[2], s0, _mm512_mul_ps(k[0], c0)));
+            _mm512_storeu_ps(ko + 16, _mm512_fnmadd_ps(k[3], s1, _mm512_mul_ps(k[1], c1)));
+            _mm512_storeu_ps(ko + 32, _mm512_fmadd_ps(k[0], s0, _mm512_mul_ps(k[2], c0)));
+            _mm512_storeu_ps(ko + 48, _mm512_fmadd_ps(k[1], s1, _mm512_mul_ps(k[3], c1)));
+            __m512 vscale = _mm512_set1_ps(_cvtsh_ss(vs[(long)g * n + t]));
+            __m512 vlow = _mm512_set1_ps(_cvtsh_ss(vl[(long)g * n + t]));
+            for (int p = 0; p < 4; p++) _mm512_storeu_ps(vo + 16 * p, _mm512_fmadd_ps(codes16(vr, bits, p), vscale, vlow));
         }
     }
     return 0;

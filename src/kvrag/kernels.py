@@ -2,7 +2,7 @@
 
 `kernels.c` computes the question's attention over a long cache (grouped heads folded into rows,
 scores and outputs held in registers; with AVX512-BF16 the two products in bfloat16 pairs summed
-into float32, `KVRAG_KERNELS=fp32` keeps float32) and writes cached float16 blocks into the
+into float32, `KVRAG_KERNELS=fp32` keeps float32) and writes cached float16, 8- and 4-bit blocks into the
 request's float32 buffers in one pass. They run only where they apply: Linux on x86-64 with
 AVX-512F, float32 compute, head_dim 64, one sequence; everywhere else, and with `KVRAG_KERNELS=0`,
 torch runs, and `status()` says which and why.
@@ -251,6 +251,8 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.attend.argtypes = [p, p, p, p, i, i, i, i, ctypes.c_long, ctypes.c_float, i]
     lib.fill_block.argtypes = [p, p, p, p, i, i, ctypes.c_long, p, p, i, ctypes.c_long]
     lib.fill_block.restype = i
+    lib.fill_quantized.argtypes = [p, p, p, p, p, p, p, p, i, i, i, ctypes.c_long, p, p, i, ctypes.c_long]
+    lib.fill_quantized.restype = i
     lib.has_bf16 = hasattr(lib, "attend_bf16")  # built where the compiler targets AVX512-BF16
     if lib.has_bf16:
         lib.attend_bf16.argtypes = lib.attend.argtypes
@@ -329,4 +331,39 @@ def fill_block(lib, block_keys, block_values, out_keys, out_values, cos, sin) ->
     if lib.fill_block(block_keys.data_ptr(), block_values.data_ptr(), out_keys.data_ptr(), out_values.data_ptr(),
                       layers * kv_heads, n, out_keys.stride(1), cos.data_ptr(), sin.data_ptr(),
                       torch.get_num_threads(), min(_room(out_keys), _room(out_values))):
+        raise ValueError(f"block {tuple(block_keys.shape)} refused by the kernel: it would write past the workspace")
+
+
+def fill_quantized_applies(block_keys, block_values, out_keys, out_values) -> bool:
+    """Whether `fill_quantized` takes these: an 8- or 4-bit block (`quant.Quantized`, codes and scales as `quant`
+    makes them, on the CPU) for float32 views as `fill_applies` wants them."""
+    from .quant import Quantized, group_shape, KEYS, VALUES
+
+    if not (isinstance(block_keys, Quantized) and isinstance(block_values, Quantized)):
+        return False
+    shape = tuple(block_keys.shape)
+    return (
+        block_keys.bits == block_values.bits and tuple(block_values.shape) == shape and shape[-1] == HEAD_DIM
+        and all(t.device.type == "cpu" and t.is_contiguous() for t in (*block_keys.parts(), *block_values.parts()))
+        and block_keys.codes.dtype == block_values.codes.dtype == torch.uint8
+        and all(t.dtype == torch.float16 for t in (block_keys.scale, block_keys.low, block_values.scale, block_values.low))
+        and tuple(block_keys.scale.shape) == tuple(block_keys.low.shape) == group_shape(shape, KEYS)
+        and tuple(block_values.scale.shape) == tuple(block_values.low.shape) == group_shape(shape, VALUES)
+        and out_keys.dtype == torch.float32 and out_keys.device.type == "cpu"
+        and out_keys.stride() == out_values.stride() and out_keys.stride(-1) == 1 and out_keys.stride(-2) == HEAD_DIM
+        and out_keys.stride(0) == out_keys.shape[1] * out_keys.stride(1)
+    )
+
+
+def fill_quantized(lib, block_keys, block_values, out_keys, out_values, cos, sin) -> None:
+    """`fill_block` for an 8- or 4-bit block: the same numbers as `quant.dequantize`, then `rope.shift_keys` and a copy."""
+    if not block_keys.shape == block_values.shape == out_keys.shape == out_values.shape:
+        raise ValueError(f"block {tuple(block_keys.shape)}/{tuple(block_values.shape)} does not fit the workspace's "
+                         f"{tuple(out_keys.shape)}")
+    layers, kv_heads, n, _ = block_keys.shape
+    cos, sin = cos.reshape(-1).contiguous(), sin.reshape(-1).contiguous()
+    pointers = [t.data_ptr() for t in (*block_keys.parts(), *block_values.parts())]
+    if lib.fill_quantized(*pointers, out_keys.data_ptr(), out_values.data_ptr(), layers * kv_heads, n, block_keys.bits,
+                          out_keys.stride(1), cos.data_ptr(), sin.data_ptr(), torch.get_num_threads(),
+                          min(_room(out_keys), _room(out_values))):
         raise ValueError(f"block {tuple(block_keys.shape)} refused by the kernel: it would write past the workspace")

@@ -11,13 +11,15 @@ Whatever comes back from a file or a shared server is untrusted input (`unpack`)
 name this key, fingerprint and context; the tensors' names, dtypes and shapes must be what this model's
 blocks have (`BlockShape`) before any tensor is read; the token ids must hash to the key; with a shared
 secret a keyed MAC (HMAC-SHA256) must match, else a CRC32 catches accidents; the values must be finite
-and of plausible size. A value that fails is deleted from its tier, reported in one line and
+and of plausible size (for 8- and 4-bit blocks, `quant.py`, their scales and low ends: finite, non-negative
+scales, the range they span within bounds). A value that fails is deleted from its tier, reported in one line and
 recomputed, never served.
 
 For a model on a GPU the host copies sit in pinned memory, from which the GPU copies blocks
 asynchronously, and an optional device tier keeps the most recently used blocks on the GPU itself.
 """
 
+import functools
 import hashlib
 import hmac
 import json
@@ -36,15 +38,18 @@ from typing import Protocol
 import safetensors.torch
 import torch
 
+from . import quant
 from .errors import DiskFullError
 from .paths import write_atomic
+from .quant import Quantized
 
 FORMAT = "kvrag-kv/1"
 MAX_ABS = 1e4
 """Largest magnitude a stored key or value may have. Attention keys and values of real models stay far
 below it (float16 storage itself ends at 65504); a larger one, or a NaN, is a damaged or planted block."""
 MAX_HEADER = 1 << 16  # bytes: a block's header names three tensors and a few fields
-DTYPE_NAMES = {torch.float16: "F16", torch.bfloat16: "BF16", torch.float32: "F32", torch.int32: "I32"}
+DTYPE_NAMES = {torch.float16: "F16", torch.bfloat16: "BF16", torch.float32: "F32", torch.int32: "I32", torch.uint8: "U8"}
+SCALES = ("keys_scale", "keys_low", "values_scale", "values_low")  # besides keys and values, in an 8- or 4-bit block
 
 
 class BadBlock(ValueError):
@@ -53,14 +58,15 @@ class BadBlock(ValueError):
 
 @dataclass
 class KVBlock:
-    """The KV of one run of tokens, for every layer: keys/values are [layers, kv_heads, tokens, head_dim].
+    """The KV of one run of tokens, for every layer: keys/values are [layers, kv_heads, tokens, head_dim], tensors
+    or (8- and 4-bit storage) `quant.Quantized` codes.
 
     Keys are stored post-RoPE as if the first token sat at position `start`.
     """
 
     token_ids: torch.Tensor
-    keys: torch.Tensor
-    values: torch.Tensor
+    keys: torch.Tensor | Quantized
+    values: torch.Tensor | Quantized
     start: int
 
     def __len__(self) -> int:
@@ -68,36 +74,63 @@ class KVBlock:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.token_ids, self.keys, self.values))
+        return sum(t.nbytes if isinstance(t, Quantized) else t.numel() * t.element_size()
+                   for t in (self.token_ids, self.keys, self.values))
+
+    def map(self, fn) -> "KVBlock":
+        """The block with each tensor of its keys and values (codes and scales too) passed through `fn`."""
+        keys, values = (kv.map(fn) if isinstance(kv, Quantized) else fn(kv) for kv in (self.keys, self.values))
+        return KVBlock(self.token_ids, keys, values, self.start)
 
 
 @dataclass(frozen=True)
 class BlockShape:
-    """What every block of one model must be: [layers, kv_heads, tokens, head_dim] in `dtype`, with at
-    most `max_tokens` tokens starting below `max_tokens`."""
+    """What every block of one model must be: [layers, kv_heads, tokens, head_dim] stored as `dtype` (a float
+    dtype, or "int8"/"int4": `quant.py`), with at most `max_tokens` tokens starting below `max_tokens`."""
 
     layers: int
     kv_heads: int
     head_dim: int
-    dtype: torch.dtype
+    dtype: torch.dtype | str
     max_tokens: int
 
-    def check(self, keys_shape, dtype, tokens: int, start: int) -> None:
-        """BadBlock unless a block of `tokens` tokens with this keys/values shape and dtype fits the model."""
-        if dtype != self.dtype:
-            raise BadBlock(f"KV in {dtype}, the model's blocks are {self.dtype}")
-        expected = (self.layers, self.kv_heads, tokens, self.head_dim)
-        if tuple(keys_shape) != expected:
-            raise BadBlock(f"KV of shape {tuple(keys_shape)}, the model's is [layers, kv_heads, tokens, head_dim] = "
-                           f"{list(expected)}")
+    @property
+    def bits(self) -> int | None:
+        return quant.bits_of(self.dtype)
+
+    def tensors(self, tokens: int) -> dict[str, tuple[str, list[int]]]:
+        """{name: (dtype name, shape)} of the tensors a block of `tokens` tokens is stored as."""
+        full = [self.layers, self.kv_heads, tokens, self.head_dim]
+        if self.bits is None:
+            return {"token_ids": ("I32", [tokens]), "keys": (DTYPE_NAMES[self.dtype], full),
+                    "values": (DTYPE_NAMES[self.dtype], full)}
+        codes = ("U8", full[:3] + [self.head_dim * self.bits // 8])
+        keys_group, values_group = (("F16", list(quant.group_shape(full, per))) for per in (quant.KEYS, quant.VALUES))
+        return {"token_ids": ("I32", [tokens]), "keys": codes, "values": codes, "keys_scale": keys_group,
+                "keys_low": keys_group, "values_scale": values_group, "values_low": values_group}
+
+    def check(self, described: dict, start: int) -> None:
+        """BadBlock unless tensors described as {name: (dtype name, shape)} are a block of this model's."""
+        tokens = described.get("token_ids", ("", [0]))[1][0]
+        expected = self.tensors(tokens)
+        if set(described) != set(expected):
+            raise BadBlock(f"tensors {sorted(described)}, a block of this model's {self.dtype} KV holds {sorted(expected)}")
+        for name, (dtype, shape) in expected.items():
+            if (described[name][0], list(described[name][1])) != (dtype, shape):
+                raise BadBlock(f"{name} in {described[name][0]} of shape {list(described[name][1])}, the model's "
+                               f"blocks hold {dtype} of shape {shape} ([layers, kv_heads, tokens, head_dim] = "
+                               f"{[self.layers, self.kv_heads, tokens, self.head_dim]})")
         if not 0 < tokens <= self.max_tokens or not 0 <= start < self.max_tokens:
             raise BadBlock(f"{tokens} tokens from position {start}, beyond the model's {self.max_tokens}")
+
+    def kv_bytes(self, tokens: int) -> int:
+        """Bytes of a block's token ids, keys and values (and scales): its file less the header."""
+        return 4 * tokens + quant.block_bytes(self.layers, self.kv_heads, self.head_dim, self.dtype, tokens)
 
     def max_bytes(self) -> int:
         """The most bytes `pack` writes for a block of this model: its longest keys, values and token ids, and
         the largest header read."""
-        return 8 + MAX_HEADER + self.max_tokens * (4 + 2 * self.layers * self.kv_heads * self.head_dim *
-                                                   self.dtype.itemsize)
+        return 8 + MAX_HEADER + self.kv_bytes(self.max_tokens)
 
 
 def ids_digest(token_ids) -> str:
@@ -118,6 +151,22 @@ def default_storage_dtype(model_dtype: torch.dtype) -> torch.dtype:
     so that a block reaches a GPU workspace without a conversion, and float16 for anything wider (half the
     bytes of float32 in memory and on disk, and what the CPU's fill kernel reads)."""
     return model_dtype if model_dtype in (torch.float16, torch.bfloat16) else torch.float16
+
+
+FLOATS = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+STORAGE = (*FLOATS, *quant.FORMATS)
+
+
+def storage_format(storage, model_dtype: torch.dtype) -> torch.dtype | str:
+    """The format blocks are stored in: a float dtype (given as one or by name) or an 8- or 4-bit format's name;
+    None or "" is `default_storage_dtype`."""
+    if storage is None or storage == "":
+        return default_storage_dtype(model_dtype)
+    if storage in FLOATS.values() or storage in quant.FORMATS:
+        return storage
+    if storage in FLOATS:
+        return FLOATS[storage]
+    raise ValueError(f"KV storage must be one of {', '.join(STORAGE)}, got {storage!r}")
 
 
 def _bytes(tensor: torch.Tensor):
@@ -142,14 +191,21 @@ def _mac(secret: bytes, metadata: dict, tensors: dict) -> str:
     return h.hexdigest()
 
 
+def _stored(block: KVBlock) -> dict[str, torch.Tensor]:
+    """The tensors a block is written as: token ids, keys and values, and an 8- or 4-bit block's scales."""
+    tensors = {"token_ids": block.token_ids.to(torch.int32)}
+    for name, kv in (("keys", block.keys), ("values", block.values)):
+        if isinstance(kv, Quantized):
+            tensors.update({name: kv.codes, f"{name}_scale": kv.scale, f"{name}_low": kv.low})
+        else:
+            tensors[name] = kv
+    return {name: t.contiguous() for name, t in tensors.items()}
+
+
 def pack(fingerprint: str, key: str, context: str, block: KVBlock, secret: bytes | None = None) -> bytes:
     """A block as the disk and remote tiers keep it: safetensors bytes whose header says what they hold,
     with a keyed MAC where the store has a shared secret."""
-    tensors = {
-        "token_ids": block.token_ids.to(torch.int32).contiguous(),
-        "keys": block.keys.contiguous(),
-        "values": block.values.contiguous(),
-    }
+    tensors = _stored(block)
     raw = {name: _bytes(t) for name, t in tensors.items()}
     metadata = {
         "format": FORMAT,
@@ -160,6 +216,8 @@ def pack(fingerprint: str, key: str, context: str, block: KVBlock, secret: bytes
         "ids_sha256": ids_digest(block.token_ids),
         "checksum": _checksum(raw),
     }
+    if isinstance(block.keys, Quantized):
+        metadata["storage"] = f"int{block.keys.bits}"
     if secret is not None:
         described = {name: (DTYPE_NAMES[t.dtype], t.shape, raw[name]) for name, t in tensors.items()}
         metadata["mac"] = _mac(secret, metadata, described)
@@ -181,12 +239,14 @@ def _header(data: bytes) -> tuple[dict, dict, memoryview]:
     return metadata, header, memoryview(data)[8 + size :]
 
 
-def _entries(header: dict, body: memoryview, shape: BlockShape | None) -> dict:
-    """{name: (dtype name, shape, bytes)} of the three tensors, once their dtypes and shapes are what a
-    block of this model holds and their offsets cover the data section exactly."""
-    if set(header) != {"token_ids", "keys", "values"}:
-        raise BadBlock(f"tensors {sorted(header)}, expected keys, token_ids, values")
-    sizes = {name: torch.tensor([], dtype=dtype).element_size() for dtype, name in DTYPE_NAMES.items()}
+def _entries(header: dict, body: memoryview, storage: str | None) -> dict:
+    """{name: (dtype name, shape, bytes)} of the tensors, once their dtypes and shapes are those of a block
+    stored as `storage` (the header's word: an 8- or 4-bit format, or None for float KV) and their offsets cover
+    the data section exactly. (Whether they fit this model: `BlockShape.check`.)"""
+    names = {"token_ids", "keys", "values", *(SCALES if storage else ())}
+    if set(header) != names:
+        raise BadBlock(f"tensors {sorted(header)}, expected {', '.join(sorted(names))}")
+    sizes = {name: dtype.itemsize for dtype, name in DTYPE_NAMES.items()}
     described = []
     for name, entry in header.items():
         try:
@@ -207,15 +267,33 @@ def _entries(header: dict, body: memoryview, shape: BlockShape | None) -> dict:
         entries[name], end = (dtype, dims, body[begin:stop]), stop
     if end != len(body):
         raise BadBlock(f"data section of {len(body)} bytes, the tensors take {end}")
-    (ids_dtype, ids_shape, _), (k_dtype, k_shape, _), (v_dtype, v_shape, _) = (
-        entries[n] for n in ("token_ids", "keys", "values"))
-    if ids_dtype != "I32" or len(ids_shape) != 1 or k_dtype != v_dtype or k_shape != v_shape or len(k_shape) != 4 \
-            or k_shape[2] != ids_shape[0]:
-        raise BadBlock(f"inconsistent tensors: token_ids {ids_dtype}{ids_shape}, keys {k_dtype}{k_shape}, "
-                       f"values {v_dtype}{v_shape}")
-    if shape is not None and k_dtype != DTYPE_NAMES.get(shape.dtype):
-        raise BadBlock(f"KV in {k_dtype}, the model's blocks are {shape.dtype}")
+    ids_dtype, ids_shape, _ = entries["token_ids"]
+    k_dtype, k_shape, _ = entries["keys"]
+    if ids_dtype != "I32" or len(ids_shape) != 1 or len(k_shape) != 4 or k_shape[2] != ids_shape[0]:
+        raise BadBlock(f"inconsistent tensors: token_ids {ids_dtype}{ids_shape}, keys {k_dtype}{k_shape}")
+    bits = quant.bits_of(storage)
+    if bits is None and k_dtype in ("U8", "I32"):
+        raise BadBlock(f"KV in {k_dtype} with no scales")
+    layers, heads, tokens, width = k_shape
+    own = BlockShape(layers, heads, width if bits is None else width * 8 // bits,
+                     storage or next(d for d, n in DTYPE_NAMES.items() if n == k_dtype), tokens + 1)
+    own.check({name: entry[:2] for name, entry in entries.items()}, 0)  # keys, values and scales agree
     return entries
+
+
+def _check_range(name: str, kv) -> None:
+    """BadBlock unless every value `kv` stands for is finite and within MAX_ABS: for codes, the range their scales
+    and low ends span (a negative or NaN scale is refused too)."""
+    if isinstance(kv, Quantized):
+        scale, low = kv.scale.float(), kv.low.float()
+        if not bool(torch.isfinite(scale).all()) or float(scale.min()) < 0:
+            raise BadBlock(f"{name}' scales are not all finite and non-negative")
+        low_high = torch.stack((low.min(), (low + scale * ((1 << kv.bits) - 1)).max()))
+    else:
+        low_high = torch.stack(torch.aminmax(kv))  # a NaN anywhere makes both NaN
+    low, high = (float(x) for x in low_high)
+    if not (-MAX_ABS <= low and high <= MAX_ABS):
+        raise BadBlock(f"{name} outside [-{MAX_ABS:g}, {MAX_ABS:g}] (min {low:g}, max {high:g})")
 
 
 def unpack(data: bytes, fingerprint: str, key: str, context: str, shape: BlockShape | None = None,
@@ -225,29 +303,36 @@ def unpack(data: bytes, fingerprint: str, key: str, context: str, shape: BlockSh
     the tensors are copies, not views of `data`."""
     metadata, header, body = _header(data)
     expected = {"format": FORMAT, "fingerprint": fingerprint, "key": key, "context": context}
+    if shape is not None:
+        expected["storage"] = shape.dtype if shape.bits else None
     for field, value in expected.items():
         if metadata.get(field) != value:
             raise BadBlock(f"header field {field!r} is {metadata.get(field)!r}, expected {value!r}")
-    entries = _entries(header, body, shape)
+    storage = metadata.get("storage")
+    if storage is not None and quant.bits_of(storage) is None:
+        raise BadBlock(f"header field 'storage' is {storage!r}, expected one of {sorted(quant.FORMATS)}")
+    entries = _entries(header, body, storage)
     try:
         start = int(metadata["start"])
     except (KeyError, ValueError):
         raise BadBlock(f"header field 'start' is {metadata.get('start')!r}") from None
     if shape is not None:
-        shape.check(entries["keys"][1], shape.dtype, entries["token_ids"][1][0], start)
+        shape.check({name: entry[:2] for name, entry in entries.items()}, start)
     if secret is not None:
         if not hmac.compare_digest(str(metadata.get("mac", "")), _mac(secret, metadata, entries)):
             raise BadBlock("no valid MAC: not written with this store's shared secret")
     elif _checksum({name: entry[2] for name, entry in entries.items()}) != metadata.get("checksum"):
         raise BadBlock("checksum mismatch")
     tensors = safetensors.torch.load(bytes(data) if not isinstance(data, bytes) else data)
-    keys, values, ids = tensors["keys"], tensors["values"], tensors["token_ids"]
+    ids = tensors["token_ids"]
     if ids_digest(ids) != metadata.get("ids_sha256") or block_key(fingerprint, context, ids) != key:
         raise BadBlock("token ids do not match the header and key")
-    for name, tensor in (("keys", keys), ("values", values)):
-        low, high = torch.aminmax(tensor)  # a NaN anywhere makes both NaN
-        if not (-MAX_ABS <= float(low) and float(high) <= MAX_ABS):
-            raise BadBlock(f"{name} outside [-{MAX_ABS:g}, {MAX_ABS:g}] (min {float(low):g}, max {float(high):g})")
+    bits = quant.bits_of(storage)
+    keys, values = (tensors[name] if bits is None else
+                    Quantized(tensors[name], tensors[f"{name}_scale"], tensors[f"{name}_low"], bits)
+                    for name in ("keys", "values"))
+    for name, kv in (("keys", keys), ("values", values)):
+        _check_range(name, kv)
     return KVBlock(ids.to(torch.long), keys, values, start)
 
 
@@ -413,8 +498,14 @@ def _read_regular(path: Path, most: int | None) -> bytes:
         os.close(fd)
 
 
+def stored_name(key: str, shape: BlockShape | None) -> str:
+    """The name a block is kept under in the disk and remote tiers: its key, and for 8- and 4-bit KV the format,
+    so that one home holds a block in several formats side by side and a block's id stays the same in all."""
+    return f"{key}.{shape.dtype}" if shape is not None and shape.bits else key
+
+
 class DiskTier:
-    """One safetensors file per block under root/<key[:2]>/<key>.safetensors, within a `DiskBudget` of
+    """One safetensors file per block under root/<key[:2]>/<name>.safetensors (`stored_name`), within a `DiskBudget` of
     `budget` bytes for every block file under `budget_root` (default: root; the engine's is the home's kv/,
     so that one budget covers the KV of every model there). A read refreshes a file's access time, which
     the budget's sweeps go by."""
@@ -427,7 +518,7 @@ class DiskTier:
         self.budget = DiskBudget.for_root(budget_root or root, budget)
 
     def path(self, key: str) -> Path:
-        return self.root / key[:2] / f"{key}.safetensors"
+        return self.root / key[:2] / f"{stored_name(key, self.shape)}.safetensors"
 
     def __contains__(self, key: str) -> bool:
         return self.path(key).is_file()
@@ -484,19 +575,20 @@ class RemoteTier:
         self.remote, self.fingerprint, self.shape, self.secret = remote, fingerprint, shape, secret
 
     def __contains__(self, key: str) -> bool:
-        return self.remote.exists(key)
+        return self.remote.exists(stored_name(key, self.shape))
 
     def put(self, key: str, context: str, block: KVBlock) -> KVBlock:
-        self.remote.put(key, pack(self.fingerprint, key, context, block, self.secret))
+        self.remote.put(stored_name(key, self.shape), pack(self.fingerprint, key, context, block, self.secret))
         return block
 
     def delete(self, key: str) -> None:
-        self.remote.delete(key)
+        self.remote.delete(stored_name(key, self.shape))
 
     def get_many(self, items: list[tuple[str, str]]) -> dict[str, KVBlock]:
         """{key: block} for the (key, context) pairs found intact."""
         found = {}
-        for (key, context), data in zip(items, self.remote.iter_many([key for key, _ in items])):
+        names = [stored_name(key, self.shape) for key, _ in items]
+        for (key, context), data in zip(items, self.remote.iter_many(names)):
             if data is None:
                 continue
             try:
@@ -504,7 +596,7 @@ class RemoteTier:
             except Exception as exc:
                 warnings.warn(f"kvrag: dropping unusable remote KV value {key} from {self.remote}: {exc}",
                               RuntimeWarning, stacklevel=4)
-                self.remote.delete(key)
+                self.remote.delete(stored_name(key, self.shape))
         return found
 
 
@@ -527,7 +619,7 @@ class KVStore:
                  device: str | torch.device | None = None, device_budget: int = 0, remote=None,
                  shape: BlockShape | None = None, secret: bytes | None = None, disk_budget: int | None = None,
                  budget_root: Path | None = None):
-        self.fingerprint = fingerprint
+        self.fingerprint, self.shape = fingerprint, shape
         self.device = torch.device(device if device is not None else "cpu")
         self.pinned = self.device.type == "cuda"
         self.memory = MemoryTier(memory_budget, "memory", self._on_host)
@@ -545,6 +637,27 @@ class KVStore:
     def __contains__(self, key: str) -> bool:
         return any(key in tier for tier in self.tiers)
 
+    def file_bytes(self, tokens: int) -> int:
+        """Bytes a block of `tokens` tokens takes as a file (or remote value) for this model and storage format:
+        its tensors (`BlockShape.kv_bytes`) and a header as `pack` writes it."""
+        if self.shape is None:
+            raise ValueError("a store that is not told its model's block shape cannot say what a block takes")
+        return self._header_bytes + self.shape.kv_bytes(tokens)
+
+    @functools.cached_property
+    def _header_bytes(self) -> int:
+        shape = self.shape
+        one = BlockShape(shape.layers, shape.kv_heads, shape.head_dim, shape.dtype, 1)
+        layout = one.tensors(1)
+        if shape.bits:
+            full = torch.zeros(shape.layers, shape.kv_heads, 1, shape.head_dim)
+            keys, values = quant.quantize(full, shape.bits, quant.KEYS), quant.quantize(full, shape.bits, quant.VALUES)
+        else:
+            keys, values = (torch.zeros(layout["keys"][1], dtype=shape.dtype) for _ in range(2))
+        block = KVBlock(torch.zeros(1, dtype=torch.long), keys, values, 0)
+        secret = next((tier.secret for tier in (self.disk, self.remote) if tier is not None), None)
+        return len(pack(self.fingerprint, "0" * 32, "none", block, secret)) - one.kv_bytes(1)
+
     def persisted(self, key: str) -> bool:
         """Whether the block outlives the process: on disk, or there is no disk to put it on."""
         return self.disk is None or key in self.disk
@@ -559,15 +672,14 @@ class KVStore:
 
     def _on_host(self, block: KVBlock) -> KVBlock:
         """`block` as the memory tier keeps it: host tensors, pinned where the store serves a GPU."""
-        if not self.pinned or all(t.device.type == "cpu" and t.is_pinned() for t in (block.keys, block.values)):
+        if not self.pinned:
             return block
-        keys, values = (self.host_copy(t, t.dtype) for t in (block.keys, block.values))
-        return KVBlock(block.token_ids.cpu(), keys, values, block.start)
+        block = block.map(lambda t: t if t.device.type == "cpu" and t.is_pinned() else self.host_copy(t, t.dtype))
+        return KVBlock(block.token_ids.cpu(), block.keys, block.values, block.start)
 
     def _on_device(self, block: KVBlock) -> KVBlock:
         """A device copy of `block`'s KV, queued (`non_blocking`) behind the work already on the device."""
-        keys, values = (t.to(self.device, non_blocking=True) for t in (block.keys, block.values))
-        return KVBlock(block.token_ids, keys, values, block.start)
+        return block.map(lambda t: t.to(self.device, non_blocking=True))
 
     def get(self, key: str, context: str) -> tuple[KVBlock | None, str]:
         """Return (block, tier) with tier 'device', 'memory', 'disk', 'remote' or 'miss'. A hit below the

@@ -36,7 +36,8 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvrag.locks import file_lock
 from kvrag.paths import kvrag_home, safetensors_header_digest
-from kvrag.store import BlockShape, KVBlock, KVStore
+from kvrag import quant
+from kvrag.store import BlockShape, KVBlock, KVStore, storage_format
 
 from . import paged, plan, positions
 
@@ -285,10 +286,12 @@ class KVRagConnector(KVConnectorBase_V1):
             self.keys, self.values = [], []
             return
         first = self.keys[0]
-        shape = BlockShape(len(self.caches), first.shape[1], self.head_dim, first.dtype, self.max_tokens)
+        self.storage = storage_format(_storage(self._vllm_config) or first.dtype, first.dtype)
+        shape = BlockShape(len(self.caches), first.shape[1], self.head_dim, self.storage, self.max_tokens)
         self.store = KVStore(self.fingerprint, self.root / "kv", memory_budget=_memory_budget(self._vllm_config),
                              shape=shape, remote=self.remote, secret=self.secret)
-        logger.info("kvrag: %d layers of %s KV (%s), blocks in %s", len(self.caches), backend, first.dtype, self.root)
+        logger.info("kvrag: %d layers of %s KV (%s, stored as %s), blocks in %s", len(self.caches), backend,
+                    first.dtype, self.storage, self.root)
 
     def start_load_kv(self, forward_context, **kwargs) -> None:
         meta = self._get_connector_metadata()
@@ -311,10 +314,11 @@ class KVRagConnector(KVConnectorBase_V1):
                 block = found[key][0]
                 skip = max(0, load.first - start)
                 where = paged.slots(load.block_ids, start + skip, stop, self.block_size)
-                rotated = positions.rotate(block.keys[:, :, skip:], start - block.start, self.inv_freq, self.neox)
+                keys, values = quant.as_tensor(block.keys), quant.as_tensor(block.values)  # 8- and 4-bit: dequantized
+                rotated = positions.rotate(keys[:, :, skip:], start - block.start, self.inv_freq, self.neox)
                 for layer in range(len(self.caches)):
                     paged.write(self.keys[layer], where, rotated[layer])
-                    paged.write(self.values[layer], where, block.values[layer, :, skip:])
+                    paged.write(self.values[layer], where, values[layer, :, skip:])
 
     def _fetch(self, keys: list[str]) -> dict:
         """The stored blocks of `keys`; what the store drops as damaged or foreign it says in vLLM's log."""
@@ -341,6 +345,10 @@ class KVRagConnector(KVConnectorBase_V1):
             where = paged.slots(save.block_ids, 0, len(save.ids), self.block_size)
             keys = torch.stack([paged.read(k, where) for k in self.keys]).cpu()
             values = torch.stack([paged.read(v, where) for v in self.values]).cpu()
+            if bits := quant.bits_of(self.storage):
+                keys, values = quant.quantize(keys, bits, quant.KEYS), quant.quantize(values, bits, quant.VALUES)
+            else:
+                keys, values = keys.to(self.storage), values.to(self.storage)
             block = KVBlock(torch.tensor(save.ids, dtype=torch.long), keys, values, 0)
             self.store.put(self.store.key(self.context, save.ids), self.context, block)
 
@@ -378,6 +386,13 @@ def _remote(vllm_config):
     from kvrag.remote import Remote, shared_secret
 
     return Remote(url), shared_secret(remote=url)
+
+
+def _storage(vllm_config) -> str | None:
+    """How blocks are stored (extra config "storage", else $KVRAG_STORAGE): "int8" or "int4" for kvrag's 8- and
+    4-bit formats, a float dtype's name; None: as vLLM's cache holds them."""
+    extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
+    return extra.get("storage") or os.environ.get("KVRAG_STORAGE") or None
 
 
 def _memory_budget(vllm_config) -> int:

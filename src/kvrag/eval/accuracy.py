@@ -198,6 +198,8 @@ def _settings(engine, max_new_tokens: int, dataset: dict | None, weights: str | 
         settings["weights"] = weights
     if engine.block_context != "none":  # the block modes' KV is another one
         settings["block_context"] = engine.block_context
+    if isinstance(engine.storage_dtype, str):  # stored in 8 or 4 bits: the reusing modes read other numbers
+        settings["storage"] = engine.storage_dtype
     return json.loads(json.dumps(settings))  # as read back from the file: tuples become lists
 
 
@@ -676,6 +678,63 @@ def curve_table(paths: Sequence[str | Path]) -> str:
                      f"{100 * row['accuracy']:.1f} | {'' if row['gap'] is None else points(*row['gap'])} | "
                      f"{'' if row['agree'] is None else percent(*row['agree'])} | {first} | {kl} | "
                      f"{row['ttft'] * 1e3:.0f} |")
+    return "\n".join(lines)
+
+
+def _against(base: Sequence[Record], other: Sequence[Record], method: str) -> dict[str, list[float]]:
+    """Per question (mean over the layouts both files answered it in), `other`'s `method` minus `base`'s: each
+    against `base`'s full answer (= full, same first token, first token's KL) and gold accuracy."""
+    full = {(r.layout, r.id): r for r in base if r.method == "full"}
+    mine = {(r.layout, r.id): r for r in base if r.method == method}
+    per: dict[str, dict] = {m: collections.defaultdict(list) for m in ("agree", "first", "kl", "accuracy")}
+    for r in other:
+        key = (r.layout, r.id)
+        if r.method != method or key not in full or key not in mine:
+            continue
+        per["accuracy"][r.id].append(int(r.correct) - int(mine[key].correct))
+        for name, measure in AGAINST_FULL.items():
+            theirs, ours = measure(r, full[key]), measure(mine[key], full[key])
+            if theirs is not None and ours is not None:
+                per[name][r.id].append(theirs - ours)
+    return {name: [statistics.fmean(v) for v in by_question.values()] for name, by_question in per.items()}
+
+
+def paired_rows(paths: Sequence[str | Path]) -> list[dict]:
+    """Results files in pairs (base, other): the same questions asked on the same weights with one setting changed
+    (the stored KV's format, say). A row per reusing method the other file answered, its differences from the base
+    file's same method paired per question (`_against`), and a row per setting pooling its files, each question
+    once."""
+    if len(paths) % 2:
+        raise ValueError("paired_rows takes files in pairs: base, other, base, other, ...")
+    rows, pooled = [], collections.defaultdict(lambda: collections.defaultdict(list))
+    for base_path, other_path in zip(paths[::2], paths[1::2]):
+        (base_settings, base), (settings, other) = read_results(base_path), read_results(other_path)
+        if base_settings.get("model") != settings.get("model"):
+            raise ValueError(f"{base_path} and {other_path} hold answers of other weights")
+        setting = settings.get("storage", "float16")
+        for method in dict.fromkeys(r.method for r in other if r.method != "full"):
+            diffs = _against(base, other, method)
+            rows.append({"setting": setting, "corpus": CORPORA[_corpus(settings)], "method": method, **diffs})
+            for name, values in diffs.items():
+                pooled[setting, method][name] += values
+    for (setting, method), diffs in pooled.items():
+        if sum(row["setting"] == setting and row["method"] == method for row in rows) > 1:
+            rows.append({"setting": setting, "corpus": "pooled", "method": method, **diffs})
+    return rows
+
+
+def paired_table(paths: Sequence[str | Path]) -> str:
+    """`paired_rows` as a Markdown table: differences in points (= full, same first token, accuracy) and nats (KL),
+    each with its paired 95% interval."""
+    lines = ["| setting | corpus | method | questions | = full (points) | 1st token = full | KL (nats) | accuracy |",
+             "|---|---|---|---:|---|---|---|---|"]
+    for row in paired_rows(paths):
+        cells = []
+        for name in ("agree", "first", "kl", "accuracy"):
+            diff, half = paired_interval(row[name]) if row[name] else (math.nan, math.nan)
+            cells.append(f"{diff:+.3f} ± {half:.3f}".replace("-", "−") if name == "kl" else points(diff, half))
+        lines.append(f"| {row['setting']} storage | {row['corpus']} | {row['method']} | {len(row['agree'])} | "
+                     + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 

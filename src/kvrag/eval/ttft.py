@@ -18,7 +18,7 @@ import statistics
 
 import torch
 
-from kvrag import BlendConfig
+from kvrag import BlendConfig, quant
 from kvrag.families import head_dim
 
 BLEND_RATIOS = (0.10, 0.15, 0.30)
@@ -35,9 +35,10 @@ FILLER = (
 )
 
 
-def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
-    """Bytes of one token's keys and values over every layer, held in `dtype`."""
-    return config.num_hidden_layers * config.num_key_value_heads * head_dim(config) * 2 * dtype.itemsize
+def kv_bytes_per_token(config, dtype: torch.dtype | str) -> int:
+    """Bytes of one token's keys and values over every layer, held in `dtype` (or an 8- or 4-bit format: with
+    each value's scale, less the keys' per block)."""
+    return round(quant.bytes_per_token(config.num_hidden_layers, config.num_key_value_heads, head_dim(config), dtype))
 
 
 def layer_flops(config, tokens: float, keys: float) -> float:
