@@ -14,7 +14,7 @@ import pytest
 from servers import free_port
 
 from kvrag import KVEngine, KVRagError
-from kvrag.app import cli
+from kvrag.app.cli import ask, bench, common, finetune, serve
 from kvrag.app.cli import build_parser, main
 from kvrag.retrieval import chroma_collection
 
@@ -95,7 +95,8 @@ def test_neither_import_kvrag_nor_help_loads_the_harness_or_matplotlib():
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     lines = [line for line in run.stdout.splitlines() if line.startswith(("import ", "help "))]
-    assert lines == ["import []", "help ['kvrag.app', 'kvrag.app.cli']"]
+    commands = ["ask", "bench", "common", "demo", "finetune", "index", "kernels", "main", "serve"]  # the parser's modules
+    assert lines == ["import []", f"help {['kvrag.app', 'kvrag.app.cli', *(f'kvrag.app.cli.{m}' for m in commands)]}"]
 
 
 def test_the_defaults_written_in_the_cli_are_the_harness_defaults():
@@ -103,25 +104,25 @@ def test_the_defaults_written_in_the_cli_are_the_harness_defaults():
     from kvrag.eval.layouts import NAMES
     from kvrag.train.finetune import TEACHERS, TrainConfig
 
-    assert cli.BENCH_METHODS == METHODS and cli.BENCH_EXTRA_METHODS == EXTRA_METHODS
-    assert cli.BENCH_LAYOUTS == NAMES and set(cli.LAYOUT_METHODS) <= set(MODE_METHODS)
+    assert bench.BENCH_METHODS == METHODS and bench.BENCH_EXTRA_METHODS == EXTRA_METHODS
+    assert bench.BENCH_LAYOUTS == NAMES and set(bench.LAYOUT_METHODS) <= set(MODE_METHODS)
     assert set(RUNNERS) == set(METHODS + EXTRA_METHODS)
     trained = asdict(TrainConfig())
-    assert cli.TRAIN_DEFAULTS == {key: trained[key] for key in cli.TRAIN_DEFAULTS}
-    assert cli.TRAIN_TEACHERS == TEACHERS
+    assert finetune.TRAIN_DEFAULTS == {key: trained[key] for key in finetune.TRAIN_DEFAULTS}
+    assert finetune.TRAIN_TEACHERS == TEACHERS
     from typing import get_args
 
     from kvrag import MODES, BlendConfig
     from kvrag.engine import ADAPTER_SCOPES, BLOCK_CONTEXTS, LEARN_PROMPTS
 
-    assert (cli.MODES, cli.ADAPTER_SCOPES, cli.BLOCK_CONTEXTS) == (MODES, ADAPTER_SCOPES, BLOCK_CONTEXTS)
-    assert cli.LEARN_PROMPTS == LEARN_PROMPTS
+    assert (common.MODES, common.ADAPTER_SCOPES, common.BLOCK_CONTEXTS) == (MODES, ADAPTER_SCOPES, BLOCK_CONTEXTS)
+    assert serve.LEARN_PROMPTS == LEARN_PROMPTS
     from kvrag import calibrate
 
-    assert cli.CALIBRATE_SETTINGS == calibrate.SETTINGS
-    calibrate_options = {a.dest: a.default for a in dict(_parsers(cli.build_parser()))["kvrag calibrate"]._actions}
+    assert ask.CALIBRATE_SETTINGS == calibrate.SETTINGS
+    calibrate_options = {a.dest: a.default for a in dict(_parsers(build_parser()))["kvrag calibrate"]._actions}
     assert (calibrate_options["target"], calibrate_options["floor"]) == (calibrate.TARGET, calibrate.FLOOR)
-    assert cli.BLEND_SELECT[0] == BlendConfig.select and set(cli.BLEND_SELECT) == set(
+    assert finetune.BLEND_SELECT[0] == BlendConfig.select and set(finetune.BLEND_SELECT) == set(
         get_args(BlendConfig.__annotations__["select"])) - {"lookahead"}  # training chooses on layer 1 only
 
 
@@ -133,7 +134,7 @@ def test_the_defaults_written_in_the_cli_are_the_harness_defaults():
      (["--prose", "2"], "prose must be between 0 and 1"), (["--concurrency", "0"], "--concurrency must be 1 or more")],
 )
 def test_bench_accuracy_rejects_bad_arguments_before_loading_anything(args, message, capsys, monkeypatch):
-    monkeypatch.setattr("kvrag.app.cli._engine", lambda args: pytest.fail("loaded a model"))
+    monkeypatch.setattr(common, "engine", lambda args: pytest.fail("loaded a model"))
     assert main(["bench", "accuracy", *args]) == 2
     assert message in capsys.readouterr().err
 
@@ -143,7 +144,7 @@ def test_bench_accuracy_without_matplotlib_stops_before_any_work(capsys, monkeyp
 
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # not installed, as far as imports go
     monkeypatch.setattr(data, "generate", lambda *a, **k: pytest.fail("generated questions"))
-    monkeypatch.setattr("kvrag.app.cli._engine", lambda args: pytest.fail("loaded a model"))
+    monkeypatch.setattr(common, "engine", lambda args: pytest.fail("loaded a model"))
     assert main(["bench", "accuracy"]) == 2
     err = capsys.readouterr().err
     assert "pip install matplotlib" in err and "--plot ''" in err
@@ -155,7 +156,7 @@ def test_bench_accuracy_without_matplotlib_stops_before_any_work(capsys, monkeyp
 def _finetune_args(argv, monkeypatch) -> argparse.Namespace:
     """The options `kvrag finetune` would train with, read without training (or loading) anything."""
     seen = []
-    monkeypatch.setattr(cli, "cmd_finetune", seen.append)
+    monkeypatch.setattr(finetune, "cmd_finetune", seen.append)
     assert main(["finetune", *argv]) == 0
     return seen[0]
 
@@ -222,7 +223,7 @@ def test_the_finetune_recipe_of_the_shipped_adapter_ends_in_the_run_its_training
         made.append(f"{args.out}/adapter")
     record = json.loads((DEFAULT_ADAPTER / "training.json").read_text())
     assert record["recipe"].startswith(f"recipe.json, run {runs[-1]['name']!r}")
-    assert asdict(cli._train_config(args)) == record["config"]
+    assert asdict(finetune.train_config(args)) == record["config"]
     assert args.adapter_scale == record["adapter_scale"]
     shipped = json.loads((DEFAULT_ADAPTER / "adapter_config.json").read_text())
     assert shipped["lora_alpha"] == args.adapter_scale * args.lora_r
@@ -231,7 +232,7 @@ def test_the_finetune_recipe_of_the_shipped_adapter_ends_in_the_run_its_training
                                 "passages": args.passages, "noise": args.noise, "seed": args.seed, "prose": args.prose}
     assert (about["unanswerable_share"], about["squad_passages"], about["blend_select"]) == (
         args.unanswerable_share, args.squad_passages, args.blend_select)
-    assert about["layouts"] == cli._layouts(args.prompts) and about["squad_answers"] == Path(args.squad_answers).name
+    assert about["layouts"] == bench.prompt_layouts(args.prompts) and about["squad_answers"] == Path(args.squad_answers).name
     assert "init_adapter_training" not in about  # its own run only: the runs before it are the recipe's
 
 
@@ -239,7 +240,7 @@ def test_kernels_build_and_status_load_no_model(capsys, monkeypatch, tmp_path):
     from kvrag import kernels
 
     built = []
-    monkeypatch.setattr("kvrag.app.cli._engine", lambda args: pytest.fail("loaded a model"))
+    monkeypatch.setattr(common, "engine", lambda args: pytest.fail("loaded a model"))
     monkeypatch.setattr(kernels, "build", lambda force=False: built.append((force, os.environ["KVRAG_HOME"])) or "on (test)")
     monkeypatch.setattr(kernels, "library", lambda: None)
     monkeypatch.setattr(kernels, "status", lambda: "off (test)")
@@ -340,6 +341,95 @@ def test_argument_and_path_errors_come_before_torch_is_imported(tmp_path):
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert run.stdout.strip() == "[2, 2, 2] False", run.stderr[-3000:]
     assert "no model at" in run.stderr and "no text files" in run.stderr and "invalid choice: 'fast'" in run.stderr
+
+
+# ---- the cost of indexing, said before it is paid, on a tiny model --------------------------------------
+
+def _corpus(folder: Path, files: int = 3, paragraphs: int = 8, seed: int = 0) -> Path:
+    """Files of paragraphs of 20-90 words, different for each seed."""
+    import random
+
+    draw = random.Random(seed)
+    words = "the lighthouse river ferry winter engineer built keeper lamp bridge island harbour stone north".split()
+    folder.mkdir(parents=True, exist_ok=True)
+    for i in range(files):
+        text = "\n\n".join(" ".join(draw.choice(words) for _ in range(draw.randint(20, 90))) + "."
+                           for _ in range(paragraphs))
+        (folder / f"part{seed}-{i}.md").write_text(text)
+    return folder
+
+
+def _block_files(home: Path) -> list[Path]:
+    return sorted((home / "kv").rglob("*.safetensors"))
+
+
+def _estimated_bytes(text: str) -> float:
+    import re
+
+    number, unit = re.search(r"about ([\d.]+) (B|kB|MB) of KV", text).groups()
+    return float(number) * {"B": 1, "kB": 1e3, "MB": 1e6}[unit]
+
+
+def test_index_says_the_kv_it_will_write_before_writing_it_and_dry_run_writes_nothing(
+        saved_model_and_adapter, tmp_path, capsys, monkeypatch):
+    """`index --dry-run` and `index` estimate the new passages' block files within a tenth of what they take; KV
+    already on disk is not counted again; `status` shows what the home then holds."""
+    monkeypatch.setenv("KVRAG_CHROMA", "")
+    monkeypatch.delenv("KVRAG_DISK_BUDGET", raising=False)
+    model_dir, _ = saved_model_and_adapter
+    home = tmp_path / "home"
+    options = ["--model", str(model_dir), "--adapter", "none", "--device", "cpu", "--home", str(home)]
+    docs = _corpus(tmp_path / "docs")
+    assert main([*options, "index", str(docs), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("24 of 24 passages to encode, ") and "dry run: nothing encoded or written" in out, out
+    assert "the disk budget is " in out and "bytes a token (float16)" in out
+    assert not _block_files(home) and not (home / "chroma").exists() and not list(home.rglob("passages.sqlite"))
+    assert main([*options, "index", str(docs)]) == 0
+    err = capsys.readouterr().err
+    said = [line for line in err.splitlines() if line.startswith("kvrag: 24 of 24 passages to encode")]
+    assert len(said) == 1 and _estimated_bytes(said[0]) == _estimated_bytes(out), err
+    written = sum(f.stat().st_size for f in _block_files(home))
+    assert abs(_estimated_bytes(out) - written) <= 0.1 * written, (out, written)
+    _corpus(docs, files=1, seed=1)  # one new file: only its passages count
+    assert main([*options, "index", str(docs), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("8 of 32 passages to encode, "), out
+    before = written
+    assert main([*options, "index", str(docs)]) == 0
+    written = sum(f.stat().st_size for f in _block_files(home)) - before
+    assert abs(_estimated_bytes(out) - written) <= 0.1 * written, (out, written)
+    capsys.readouterr()
+    assert main([*options, "status"]) == 0
+    out = capsys.readouterr().out
+    files = _block_files(home)
+    assert "KV stored as float16" in out and "32 in the passage index" in out and "32 of them with KV on disk" in out
+    assert f"in {len(files)} block files ({files[0].parents[1]})" in out and "passages.sqlite" in out, out
+    assert "memory: per process" in out
+
+
+def test_index_refuses_kv_beyond_the_disk_budget_in_one_line_and_encodes_nothing(saved_model_and_adapter, tmp_path,
+                                                                                 capsys, monkeypatch):
+    monkeypatch.setenv("KVRAG_CHROMA", "")
+    monkeypatch.delenv("KVRAG_DISK_BUDGET", raising=False)
+    model_dir, _ = saved_model_and_adapter
+    home = tmp_path / "home"
+    options = ["--model", str(model_dir), "--adapter", "none", "--device", "cpu", "--home", str(home)]
+    docs = _corpus(tmp_path / "docs")
+    assert main([*options, "--disk-budget", "20k", "index", str(docs)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("kvrag: error: not indexing about "), err
+    assert "the disk budget is 20.5 kB (--disk-budget)" in err and "nothing was encoded" in err
+    assert not _block_files(home)
+    monkeypatch.setenv("KVRAG_DISK_BUDGET", "20k")  # the environment's budget, named as such
+    assert main([*options, "index", str(docs)]) == 2
+    assert "($KVRAG_DISK_BUDGET; --disk-budget overrides it)" in capsys.readouterr().err
+    monkeypatch.delenv("KVRAG_DISK_BUDGET")
+    assert main([*options, "index", str(docs)]) == 0 and _block_files(home)
+    capsys.readouterr()
+    # the KV on disk already is not counted again: within the small budget nothing new is to be written
+    assert main([*options, "index", str(docs), "--disk-budget", "20k"]) == 0
+    assert "0 of 24 passages to encode" in capsys.readouterr().err
 
 
 # ---- the passage index in a Chroma server (`chroma run`), on a tiny model ------------------------------

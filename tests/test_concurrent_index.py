@@ -12,7 +12,7 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
-from kvrag.app import cli
+from kvrag.app.cli import common
 from kvrag.retrieval import DEFAULT_COLLECTION, PassageIndex, chroma_collection
 from kvrag.match import registered_passages
 from kvrag.prompt import PromptLayout
@@ -93,7 +93,7 @@ def _write_docs(root: Path) -> list[Path]:
 def _expected(model_dir: Path, files: list[Path]) -> tuple[list[str], PromptLayout]:
     """The unique passages the CLI cuts from `files`, and the prompt layout it encodes them with."""
     layout = PromptLayout(AutoTokenizer.from_pretrained(model_dir))
-    passages, _ = cli._passages(layout.encode, {f: f.read_text() for f in files}, 200)
+    passages, _ = common.passages(layout.encode, {f: f.read_text() for f in files}, 200)
     return list(dict.fromkeys(passages)), layout
 
 

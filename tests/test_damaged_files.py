@@ -428,6 +428,39 @@ def test_kvrag_index_and_ask_with_chroma_on_a_full_disk_say_so_in_one_line(saved
         assert "for the passage index (Chroma)" in lines(err)[-1], err
 
 
+def test_kvrag_index_and_ask_with_the_passage_registry_on_a_full_disk_say_so_in_one_line(saved_model_and_adapter, notes,
+                                                                                         tmp_path):
+    """passages.sqlite (the passage registry beside the KV) on a disk that is full: `index` adding to it, then `index`
+    and `ask` making it afresh, each end in one line naming its directory, not SQLite's traceback, and the registry
+    is not moved aside as damaged."""
+    model_dir, _ = saved_model_and_adapter
+    home, report = tmp_path / "home", tmp_path / "report"
+    report.mkdir()
+    kvrag = f'"$KVRAG" --device cpu --model {model_dir}'
+    forget = ("import glob, sqlite3; db = sqlite3.connect(glob.glob(%r)[0], isolation_level=None); "
+              "db.execute('DELETE FROM passages'); db.execute('VACUUM')" % f"{home}/kv/*/passages.sqlite")
+    script = f"""
+        export KVRAG_HOME={home}
+        {kvrag} index {notes} > /dev/null 2> {report}/err0; echo $? > {report}/rc0
+        "$PYTHON" -c "{forget}"
+        cat /dev/zero > {home}/kv/filler 2> /dev/null
+        {kvrag} index {notes} > /dev/null 2> {report}/err1; echo $? > {report}/rc1
+        rm {home}/kv/*/passages.sqlite
+        {kvrag} index {notes} > /dev/null 2> {report}/err2; echo $? > {report}/rc2
+        {kvrag} ask "{QUESTION}" --max-new-tokens 2 > /dev/null 2> {report}/err3; echo $? > {report}/rc3
+        ls {home}/kv/*/ > {report}/files
+    """
+    on_small_disk(script, home / "kv", size="1m")
+    read = lambda name: (report / name).read_text()  # noqa: E731
+    assert read("rc0").strip() == "0", read("err0")
+    for n in (1, 2, 3):  # the registry there without these passages; made afresh by `index`; by `ask`
+        err = read(f"err{n}")
+        assert read(f"rc{n}").strip() == "2" and "Traceback" not in err, err
+        assert re.fullmatch(rf"kvrag: error: no space left in {re.escape(str(home / 'kv'))}/[0-9a-f]{{16}} \(needed .*\)",
+                            lines(err)[-1]), err
+    assert "damaged" not in read("files")  # a full disk is no damaged registry: nothing moved aside
+
+
 def test_kvrag_ask_on_a_full_disk_answers_as_before_and_says_so_once(saved_model_and_adapter, notes, tmp_path):
     """A request whose passages' KV cannot be written (their files gone, the disk full) computes them, keeps
     them in memory and answers as it did before, with one line naming the directory."""

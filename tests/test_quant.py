@@ -226,3 +226,33 @@ def test_an_engine_stores_compact_blocks_and_answers_as_with_float16(tok, tmp_pa
     assert top in got.first_logprobs
     assert abs(got.first_logprobs[top] - want.first_logprobs[top]) < (0.02 if storage == "int8" else 0.2)
     assert got.first_logprobs != want.first_logprobs  # other numbers: the test could fail
+
+
+def test_a_shared_redis_tier_holds_the_compact_form_and_drops_a_bad_scale(tok, tmp_path, monkeypatch):
+    """Two replicas on one real redis-server, storing 4-bit KV: the second reads every passage from Redis (values
+    named by format), and a value changed in place (claiming another format) fails its MAC: dropped, recomputed
+    and said once."""
+    import redis
+    from servers import RedisServer
+
+    monkeypatch.setattr(kernels, "bf16", False)
+    model = tiny_model(tiny_configs(len(tok))["llama-head64"])
+    with RedisServer(tmp_path / "redis") as server:
+        monkeypatch.setenv("KVRAG_SECRET", "a secret shared by the replicas, forty-two")
+        a, b = (KVEngine(model, tok, home=tmp_path / name, remote=server.url, storage_dtype="int4",
+                         default_mode="block") for name in "ab")
+        a.index(PASSAGES, progress=False)
+        client = redis.Redis.from_url(server.url)
+        names = sorted(k.decode() for k in client.keys("*kv:*"))
+        assert names and all(name.endswith(".int4") for name in names)
+        result = b.generate(QUESTION, PASSAGES, max_new_tokens=4)
+        assert result.cache_hits.get("remote", 0) >= len(PASSAGES) and "computed" not in result.cache_hits
+        c = KVEngine(model, tok, home=tmp_path / "c", remote=server.url, storage_dtype="int4", default_mode="block")
+        key = c.blocks.keys(c.layout.prefix_ids, [c.layout.passage_ids(PASSAGES[0])])[0]
+        value = client.get(f"kvrag:kv:{key}.int4")
+        client.set(f"kvrag:kv:{key}.int4", value.replace(b"int4", b"int8", 1))  # another format claimed: no valid MAC
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            again = c.generate(QUESTION, PASSAGES, max_new_tokens=4)
+        assert again.text == result.text and again.cache_hits.get("computed", 0) == 1
+        assert len([w for w in kvrag_warnings(said) if key in str(w.message)]) == 1

@@ -24,6 +24,7 @@ from serving import running_server, sse_events
 
 from kvrag import BlendConfig
 from kvrag.app import cli
+from kvrag.app.cli import common
 from kvrag.app.server import DEFAULT_MAX_TOKENS, create_app
 from kvrag.errors import QueueFullError, RequestTimeoutError
 
@@ -483,7 +484,7 @@ def test_kvrag_serve_wires_its_options(monkeypatch, capsys, tmp_path):
             calls["index"] = location
 
     engine = types.SimpleNamespace(calibration=None, default_mode="full")
-    monkeypatch.setattr(cli, "_engine", record("engine", engine))
+    monkeypatch.setattr(common, "engine", record("engine", engine))
     monkeypatch.setattr(server_module, "create_app", record("app", app))
     monkeypatch.setattr(retrieval, "PassageIndex", Index)
     monkeypatch.setattr(uvicorn, "run", run)
@@ -519,7 +520,7 @@ def test_kvrag_index_server_sends_the_passages_it_splits(engine, tok, tmp_path, 
         assert "401" in capsys.readouterr().err
         assert cli.main([*argv, "--api-key", KEY]) == 0
         assert f"on {url}" in capsys.readouterr().out
-    passages, _ = cli._passages(engine.layout.encode, {docs / "a.md": (docs / "a.md").read_text()}, 40)
+    passages, _ = common.passages(engine.layout.encode, {docs / "a.md": (docs / "a.md").read_text()}, 40)
     assert len(passages) > 1
     assert all(engine.store.key(engine.blocks.context(engine.layout.prefix_ids), engine.layout.passage_ids(p))
                in engine.store for p in passages)
@@ -572,7 +573,7 @@ def test_kvrag_serve_keeps_its_passage_index_in_the_chroma_server_named(chroma, 
 
     calls, app = {}, types.SimpleNamespace(router=types.SimpleNamespace(on_shutdown=[]))
     engine = types.SimpleNamespace(calibration=None, default_mode="full")
-    monkeypatch.setattr(cli, "_engine", lambda args, **options: engine)
+    monkeypatch.setattr(common, "engine", lambda args, **options: engine)
     monkeypatch.setattr(server_module, "create_app", lambda engine, **options: calls.update(options) or app)
     monkeypatch.setattr(uvicorn, "run", lambda app, **options: None)
     monkeypatch.setenv("KVRAG_CHROMA", chroma)  # as --chroma URL does
@@ -603,7 +604,7 @@ SAMPLE = Path(__file__).parents[1] / "src" / "kvrag" / "sample"
 def corpus(default_engine):
     """The sample corpus's passages, cut as `kvrag index` cuts them, and its questions."""
     texts = {path: path.read_text() for path in sorted(SAMPLE.glob("*.md"))}
-    passages, _ = cli._passages(default_engine.layout.encode, texts, 200)
+    passages, _ = common.passages(default_engine.layout.encode, texts, 200)
     return passages, json.loads((SAMPLE / "questions.json").read_text())
 
 

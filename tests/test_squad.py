@@ -88,7 +88,7 @@ def test_the_set_up_installs_squad_and_the_default_file_holds_its_dev_set():
 
 
 def test_bench_accuracy_with_squad_rejects_prose_before_loading_anything(squad_file, capsys, monkeypatch):
-    monkeypatch.setattr("kvrag.app.cli._engine", lambda args: pytest.fail("loaded a model"))
+    monkeypatch.setattr("kvrag.app.cli.common.engine", lambda args: pytest.fail("loaded a model"))
     assert main(["bench", "accuracy", "--squad", str(squad_file), "--prose", "1"]) == 2
     assert "SQuAD's paragraphs are already prose" in capsys.readouterr().err
     assert main(["bench", "accuracy", "--squad", str(squad_file.parent / "missing.json")]) == 2
@@ -96,7 +96,7 @@ def test_bench_accuracy_with_squad_rejects_prose_before_loading_anything(squad_f
 
 
 def test_finetune_rejects_a_squad_share_outside_0_to_1_before_loading_anything(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr("kvrag.app.cli._engine", lambda *args, **kwargs: pytest.fail("loaded a model"))
+    monkeypatch.setattr("kvrag.app.cli.common.engine", lambda *args, **kwargs: pytest.fail("loaded a model"))
     assert main(["finetune", str(tmp_path / "run"), "--squad-share", "1.5"]) == 2
     assert "--squad-share must be between 0 and 1, got 1.5" in capsys.readouterr().err
 

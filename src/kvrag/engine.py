@@ -16,6 +16,7 @@ import warnings
 from collections import deque
 from collections.abc import Iterable
 from contextlib import ExitStack, nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -32,7 +33,7 @@ from .paths import kvrag_home, writable_home
 from .prompt import Prompt, PromptFormat, PromptLayout, check_text
 from .remote import Remote, shared_secret
 from .scheduler import Scheduler
-from .store import BlockShape, KVStore, parse_size, storage_format
+from .store import BlockShape, DiskTier, KVStore, parse_size, storage_format
 from .workspace import WorkspacePool
 
 ADAPTER_SCOPES = ("block", "all")
@@ -66,6 +67,17 @@ def preceding_in_documents(texts: list[str], documents: list) -> list[str | None
     follows a text of the same document (`documents[i]`, its source; None: unknown), else None."""
     return [texts[i - 1] if i and doc is not None and documents[i - 1] == doc else None
             for i, doc in enumerate(documents)]
+
+
+@dataclass
+class IndexCost:
+    """What indexing `passages` distinct passages writes (`KVEngine.index_cost`): `new` blocks not stored yet, of
+    `tokens` tokens, in block files of `bytes` in all."""
+
+    passages: int
+    new: int
+    tokens: int
+    bytes: int
 
 
 _BLOCK_ID = re.compile(r"^kv_([0-9a-f]{32})$")
@@ -118,6 +130,7 @@ class KVEngine:
         self.layout = PromptLayout(tokenizer, prompt_format)
         self.fingerprint = fingerprint or loading.fingerprint(model, tokenizer)
         self.home = Path(home) if home is not None else kvrag_home()
+        self.kv_dir = self.home / "kv" / self.fingerprint[:16]  # this model's block files (and passages.sqlite)
         root = writable_home(self.home) / "kv" / self.fingerprint[:16] if persist else None
         remote = remote if remote is not None else os.environ.get("KVRAG_REMOTE") or None
         secret = shared_secret(secret, remote=remote if isinstance(remote, str) else remote and remote.url)
@@ -288,10 +301,7 @@ class KVEngine:
         keys = self.blocks.keys(prefix, ids_list)
         todo = {k: ids for k, ids in zip(keys, ids_list) if k not in self.store}
         lead_of = dict(zip(keys, leads))
-        shared = [(self.store.key("none", prefix), "none", prefix, None)]  # every request starts with it
-        if separator := self.layout.separator_ids:  # and every request with two passages has it
-            shared.append((self.store.key(context, separator), context, separator, after))
-        for key, block_context, ids, encoded_after in shared:
+        for key, block_context, ids, encoded_after in self._shared_blocks():
             with self._claim(key, wait=True):
                 self.blocks.fetch(key, block_context, ids, encoded_after)
         pack = self._pack_tokens() if pack_tokens is None else pack_tokens
@@ -360,6 +370,29 @@ class KVEngine:
         kv = 2 * config.num_hidden_layers * config.num_key_value_heads * families.head_dim(config)
         per_token = (kv + 8 * config.hidden_size + 3 * config.intermediate_size) * self.model.dtype.itemsize
         return int(min(PACK_TOKENS_MAX, free // 4 // per_token))
+
+    def _shared_blocks(self) -> list[tuple[str, str, list[int], list[int] | None]]:
+        """(key, context, ids, encoded after) of the blocks every request shares: the prompt's prefix and, where
+        there is one, the separator between two passages."""
+        prefix = self.layout.prefix_ids
+        context, after = self.blocks.context(prefix), self.blocks.encoded_after(prefix)
+        shared = [(self.store.key("none", prefix), "none", prefix, None)]  # every request starts with it
+        if separator := self.layout.separator_ids:  # and every request with two passages has it
+            shared.append((self.store.key(context, separator), context, separator, after))
+        return shared
+
+    def index_cost(self, texts: Iterable[str]) -> IndexCost:
+        """What `index(texts)` would write, computing nothing: the blocks it would encode (those no tier holds, nor
+        this model's block files under the home, for an engine that persists nothing) and their bytes on disk
+        (`KVStore.file_bytes`), the shared blocks included where they are missing."""
+        on_disk = self.store.disk or DiskTier(self.kv_dir, self.fingerprint, shape=self.store.shape)  # only looked in
+        stored = lambda key: key in self.store or key in on_disk  # noqa: E731
+        ids_list = [self.layout.passage_ids(text) for text in dict.fromkeys(texts)]
+        blocks = dict(zip(self.blocks.keys(self.layout.prefix_ids, ids_list), ids_list))
+        new = {key: ids for key, ids in blocks.items() if not stored(key)}
+        writes = [*new.values(), *(ids for key, _, ids, _ in self._shared_blocks() if not stored(key))]
+        return IndexCost(len(blocks), len(new), sum(map(len, new.values())),
+                         sum(self.store.file_bytes(len(ids)) for ids in writes))
 
     def _claim(self, key: str, wait: bool):
         """Context manager: whether this process may encode block `key` now, the other processes indexing

@@ -96,6 +96,24 @@ def _open(path) -> sqlite3.Connection:
 _IN_USE = ("SQLITE_BUSY", "SQLITE_LOCKED")
 """SQLite's errors for a registry that another connection holds past the timeout: in use, not damaged,
 so it is never moved aside for them."""
+PAGE = 4096
+"""SQLite's default page: the least a write to the registry needs, said where a full disk refuses one."""
+
+
+def _full(exc: sqlite3.Error) -> bool:
+    """Whether SQLite's error says the disk (or the quota) has no room: not damage, so nothing is moved aside."""
+    return getattr(exc, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL
+
+
+def _open_room(path: Path) -> sqlite3.Connection:
+    """`_open`, a full disk said in one line naming the directory (DiskFullError, as for the KV files beside it):
+    no room is no damage, so the registry is not moved aside for it."""
+    try:
+        return _open(path)
+    except sqlite3.OperationalError as exc:
+        if _full(exc):
+            raise disk_full(exc, path.parent, PAGE) from exc
+        raise
 
 
 def registered_passages(paths) -> list[str]:
@@ -139,7 +157,7 @@ class PassageMatcher:
             path = Path(path)
             with file_lock(path.with_name(f"{path.name}.lock")):  # created, or moved aside, by one process at a time
                 try:
-                    self._db = _open(path)
+                    self._db = _open_room(path)
                 except sqlite3.DatabaseError as exc:  # damaged: it only remembers texts, which indexing adds again
                     if getattr(exc, "sqlite_errorname", None) in _IN_USE:
                         raise
@@ -147,7 +165,7 @@ class PassageMatcher:
                     warnings.warn(f"kvrag: {path} is unusable ({exc}); moved to {aside.name}, starting afresh",
                                   RuntimeWarning, stacklevel=2)
                     os.replace(path, aside)
-                    self._db = _open(path)
+                    self._db = _open_room(path)
 
     def __len__(self) -> int:
         self._refresh()
@@ -167,7 +185,7 @@ class PassageMatcher:
                         self._db.execute("BEGIN IMMEDIATE")
                         self._db.executemany("INSERT OR IGNORE INTO passages VALUES (?, ?)", rows)
                 except sqlite3.OperationalError as exc:
-                    if getattr(exc, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL:
+                    if _full(exc):
                         raise disk_full(exc, self.path.parent, sum(len(t) for t in texts)) from exc
                     raise
             for text in texts:

@@ -457,9 +457,8 @@ class DiskBudget:
                         return
             self.used = self._sweep()
 
-    def _sweep(self) -> int:
-        """Delete the least recently used block files while they exceed the allowance, down to 90% of it;
-        the bytes the block files take afterwards."""
+    def files(self) -> list[tuple[int, int, Path]]:
+        """(last used in ns, bytes, path) of every block file under the root (none where there is no root yet)."""
         files = []
         for path in self.root.glob("**/??/*.safetensors"):
             try:
@@ -467,11 +466,23 @@ class DiskBudget:
             except FileNotFoundError:  # another process evicted it
                 continue
             files.append((max(info.st_atime_ns, info.st_mtime_ns), info.st_size, path))
+        return files
+
+    def allowance(self, total: int | None = None) -> int:
+        """The bytes the block files may take: the limit, else what they take (`total`, counted if None) and the
+        filesystem's free space come to, less RESERVE of the filesystem."""
+        if self.limit is not None:
+            return self.limit
+        total = sum(size for _, size, _ in self.files()) if total is None else total
+        usage = shutil.disk_usage(next(p for p in (self.root, *self.root.parents) if p.exists()))
+        return max(0, int(total + usage.free - self.RESERVE * usage.total))
+
+    def _sweep(self) -> int:
+        """Delete the least recently used block files while they exceed the allowance, down to 90% of it;
+        the bytes the block files take afterwards."""
+        files = self.files()
         total = sum(size for _, size, _ in files)
-        allowance = self.limit
-        if allowance is None:
-            usage = shutil.disk_usage(self.root)
-            allowance = total + usage.free - self.RESERVE * usage.total
+        allowance = self.allowance(total)
         if total <= allowance:
             return total
         for _, size, path in sorted(files):
