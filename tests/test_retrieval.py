@@ -3,6 +3,7 @@ on a real Chroma server (`chroma run`), with the packaged MiniLM."""
 
 import http.server
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -228,3 +229,105 @@ def test_chroma_urls(url, expected):
 def test_what_is_not_a_chroma_url_is_refused(url):
     with pytest.raises(ValueError, match="http://HOST"):
         parse_chroma_url(url)
+
+
+# ---- the packaged MiniLM, computed without sentence-transformers (kvrag.embedding) -------------------------
+
+EMBEDDED = [
+    "In what year was the Velloran Academy founded?", "", "   ", "Café naïve résumé — Zürich, Ørsted, ½ ©",
+    "北京是中国的首都。東京", "The keeper's log, 1742: 'fog again'.\n\nA new paragraph\twith a tab", "😀 emoji 🤖",
+    "UPPER lower MiXeD", "a" * 3000, "word " * 400,  # one word past WordPiece's limit; past 256 tokens
+    *PASSAGES.values(),
+]
+
+
+@pytest.fixture(scope="module")
+def sentence_transformer():
+    """The packaged model through sentence-transformers, as kvrag loaded it before (what existing indexes hold)."""
+    from sentence_transformers import SentenceTransformer
+
+    from kvrag.retrieval import embedding_model_path
+
+    return SentenceTransformer(str(embedding_model_path()), device="cpu", local_files_only=True)
+
+
+def test_embeddings_are_sentence_transformers_own(embedder, sentence_transformer):
+    """Indexes written before hold sentence-transformers' vectors: the same tokens, the same vectors to float32
+    rounding, the same nearest passages, and the same token counts (the embeddings API's usage)."""
+    import numpy as np
+
+    from kvrag.embedding import MeanPoolingBert
+
+    assert isinstance(embedder.model, MeanPoolingBert)
+    st = sentence_transformer
+    assert embedder.model.token_ids(EMBEDDED) == [st.tokenizer(t, truncation=True, max_length=st.max_seq_length)[
+        "input_ids"] for t in EMBEDDED]
+    ours = np.array(embedder.embed(EMBEDDED))
+    theirs = st.encode(EMBEDDED, normalize_embeddings=True, convert_to_numpy=True)
+    assert ours.shape == theirs.shape == (len(EMBEDDED), 384)
+    assert np.abs(ours - theirs).max() < 1e-5
+    assert np.allclose(np.linalg.norm(ours, axis=1), 1, atol=1e-6)
+    assert (ours @ ours.T).argsort(axis=1).tolist() == (theirs @ theirs.T).argsort(axis=1).tolist()
+    assert np.allclose(embedder.embed(EMBEDDED[:1]), ours[:1], atol=1e-6)  # alone (one thread) or in a batch
+    assert embedder.count_tokens(EMBEDDED) == sum(min(len(i), st.max_seq_length)
+                                                  for i in st.tokenizer(EMBEDDED)["input_ids"])
+
+
+def test_retrieval_loads_no_sentence_transformers():
+    """What made `kvrag ask` slow: sentence-transformers' import (scikit-learn; SciPy comes with transformers too)."""
+    code = ("import sys; from kvrag.retrieval import Embedder; Embedder().embed(['a question?']); print(sorted(m for m "
+            "in ('sentence_transformers', 'sklearn') if m in sys.modules))")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split("\n")[-2] == "[]"
+
+
+@pytest.fixture
+def minilm_copy(tmp_path):
+    """The packaged model's folder, its files linked, for a test to change its settings."""
+    import shutil
+
+    from kvrag.retrieval import embedding_model_path
+
+    folder = tmp_path / "minilm"
+    shutil.copytree(embedding_model_path(), folder, copy_function=os.symlink)
+    for path in [*folder.glob("*.json"), *folder.glob("*/*.json")]:  # the settings: copies of their own
+        text = path.read_text()
+        path.unlink()
+        path.write_text(text)
+    return folder
+
+
+@pytest.mark.parametrize("change", [
+    ("1_Pooling/config.json", {"pooling_mode_mean_tokens": False, "pooling_mode_cls_token": True}),
+    ("1_Pooling/config.json", {"pooling_mode_max_tokens": True}),
+    ("sentence_bert_config.json", {"do_lower_case": True}),
+    ("config.json", {"position_embedding_type": "relative_key"}),
+    ("config.json", {"hidden_act": "gelu_new"}),
+    ("config.json", {"model_type": "roberta"}),
+])
+def test_folders_of_other_shapes_are_left_to_sentence_transformers(minilm_copy, change):
+    from kvrag import embedding
+
+    assert embedding.supported(minilm_copy) is not None
+    name, settings = change
+    path = minilm_copy / name
+    path.write_text(json.dumps({**json.loads(path.read_text()), **settings}))
+    assert embedding.supported(minilm_copy) is None and embedding.load(minilm_copy) is None
+
+
+def test_a_folder_of_another_shape_embeds_with_sentence_transformers(minilm_copy):
+    """CLS pooling: loaded by sentence-transformers, as before, and its vectors are not the mean's."""
+    import numpy as np
+    from sentence_transformers import SentenceTransformer
+
+    from kvrag.retrieval import Embedder
+
+    pooling = minilm_copy / "1_Pooling" / "config.json"
+    pooling.write_text(json.dumps({**json.loads(pooling.read_text()), "pooling_mode_mean_tokens": False,
+                                   "pooling_mode_cls_token": True}))
+    embedder = Embedder(minilm_copy)
+    texts = list(PASSAGES.values())
+    expected = SentenceTransformer(str(minilm_copy), device="cpu").encode(texts, normalize_embeddings=True)
+    assert np.abs(np.array(embedder.embed(texts)) - expected).max() < 1e-6
+    assert embedder.count_tokens(texts) == sum(len(i) for i in embedder.model.model.tokenizer(texts)["input_ids"])

@@ -116,3 +116,34 @@ def test_hand_over_ends_the_calling_threads_openmp_team():
     assert done.returncode == 0, done.stderr
     alone = int(done.stdout.strip("[]\n").split(",")[0])
     assert done.stdout.strip() == str([alone, alone + 2, alone])
+
+
+def test_watch_lets_the_first_request_leave_busy_cores(clock):
+    """A model loads between `watch` (loading.load) and the first request: that request already counts the cores
+    other processes keep busy, as every later one does (without it, the first ran on every thread)."""
+    threads.watch()
+    clock.run(2.0, own=1, others=2)  # loading, while two cores are busy elsewhere
+    assert threads.adapt() == 2 == torch.get_num_threads()
+    threads.watch()  # once started, watching again changes nothing
+    clock.run(0.3, own=2, others=0)
+    assert threads.adapt() == 4
+
+
+def test_without_watch_the_first_request_cannot_know(clock):
+    clock.run(2.0, own=1, others=2)
+    assert threads.adapt() == 4
+
+
+def test_single_runs_torch_on_one_thread_and_restores_the_count():
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with threads.single():
+            assert torch.get_num_threads() == 1
+        assert torch.get_num_threads() == 2
+        with pytest.raises(RuntimeError, match="inside"):
+            with threads.single():
+                raise RuntimeError("inside")
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)

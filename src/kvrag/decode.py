@@ -37,6 +37,12 @@ class GenerationResult:
     def generated_tokens(self) -> int:
         return len(self.token_ids)
 
+    def stats(self) -> dict:
+        """The figures server responses carry in their `kvrag` object and `kvrag ask` prints."""
+        return {"mode": self.mode, "ttft": self.ttft, "total_time": self.total_time,
+                "prefilled_tokens": self.prefilled_tokens, "reused_tokens": self.reused_tokens,
+                "cache_hits": dict(self.cache_hits)}
+
 
 class Sampler:
     """Greedy when temperature is 0, otherwise temperature / top-k / top-p sampling."""

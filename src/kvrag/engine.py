@@ -51,6 +51,11 @@ BLOCK_CONTEXTS = ("none", "prefix", "ape", "document")
 PUBLISHED_BLOCK_CONTEXT = "ape"
 """`from_pretrained`'s block context for weights without a block-tuned adapter, chosen by the rule in issue #99's
 note (docs/closer-to-full.md); with an adapter "none", the context adapters are tuned in."""
+DEFAULT_MODEL_STORAGE = "int4"
+"""`from_pretrained`'s KV storage for the default model when none is given (nor $KVRAG_STORAGE): 4-bit codes, 6.1 KB
+a token against float16's 22.5, chosen by the rule in issue #101's note (block mode's answers against full's, paired
+with float16 storage's on SQuAD, the generated worlds and examples/heldout; docs/storage.md). Other models keep
+their half dtype (else float16): nothing was measured on them."""
 DOCUMENT_LEAD = 256
 """Tokens of the text before a passage in its document that block context "document" encodes it after, at most."""
 
@@ -202,6 +207,7 @@ class KVEngine:
         leaves alone (embeddings, norms) are shared, the rest held twice.
         `block_context`: see `KVEngine`; "auto" (the default) is PUBLISHED_BLOCK_CONTEXT for weights as published
         and "none" with an adapter, which block fine-tuning tunes in that context.
+        `storage_dtype` (in kwargs): see `KVEngine`; by default DEFAULT_MODEL_STORAGE (4-bit) for the default model.
         `warm_up`: answer one tiny request before returning (`warm_up()`), so the first user's does not pay for
         torch's first calls.
         """
@@ -223,6 +229,8 @@ class KVEngine:
         if adapter == "auto":
             adapter = loading.DEFAULT_ADAPTER if model is None else None
         kwargs["block_context"] = chosen_block_context(kwargs["block_context"], adapter)
+        if model is None and kwargs.get("storage_dtype") is None and not os.environ.get("KVRAG_STORAGE"):
+            kwargs["storage_dtype"] = DEFAULT_MODEL_STORAGE
         kwargs["adapter"] = Path(adapter).name if adapter else None
         if adapter is None:
             return cls(lm, tokenizer, fingerprint=fingerprint(lm), **kwargs)

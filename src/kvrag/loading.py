@@ -80,6 +80,28 @@ def file_sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+def gguf_sha256(gguf: Path, home: Path | None = None) -> str:
+    """`file_sha256(gguf)`, remembered under KVRAG_HOME/fingerprints keyed by the file's identity (path, inode,
+    size, modification and change times, as `files_identity`): the default model's 98 MB were hashed on every
+    load, a tenth of a second of every `kvrag ask`."""
+    stat = gguf.stat()
+    key = json.dumps(["gguf", str(gguf.resolve()), stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns])
+    path = (home or kvrag_home()) / "fingerprints" / f"{hashlib.sha256(key.encode()).hexdigest()}.json"
+    try:
+        with open(path, "rb") as f:
+            digest = json.loads(f.read(4096))["sha256"]
+        if isinstance(digest, str) and _DIGEST.match(digest):
+            return digest
+    except (OSError, ValueError, KeyError, TypeError):  # missing, damaged or planted: hash again and rewrite
+        pass
+    digest = file_sha256(gguf)
+    try:
+        write_atomic(path, json.dumps({"sha256": digest}).encode())
+    except OSError:  # a full disk or a read-only home: hashed again next time
+        pass
+    return digest
+
+
 CONVERTED = "kvrag-converted.json"
 """Written last into a directory `convert_gguf` makes: the GGUF it came from and each file's size. A
 directory whose files no longer have those sizes is converted again."""
@@ -161,7 +183,7 @@ def convert_gguf(gguf: Path, home: Path | None = None) -> Path:
     from transformers import modeling_gguf_pytorch_utils as gguf_utils
 
     gguf = Path(gguf)
-    target = (home or kvrag_home()) / "models" / f"{gguf.stem}-{file_sha256(gguf)[:16]}"
+    target = (home or kvrag_home()) / "models" / f"{gguf.stem}-{gguf_sha256(gguf, home)[:16]}"
     if target.exists() or target.is_symlink():
         reason = incomplete(target)
         if reason is None:
@@ -304,6 +326,9 @@ def load(model: str | os.PathLike | None = None, *, device: str | torch.device |
 
     A file that cannot be read raises ModelFileError naming it; in a directory converted from a GGUF file
     (the default model's) it is no error: the directory is converted again, once, and loaded."""
+    from . import threads
+
+    threads.watch()  # the first request's thread count then reflects the load measured while this one loads
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
     check_model_path(model)
@@ -446,19 +471,22 @@ def local_dir(source: Path | str) -> Path | None:
 
 
 def merge_adapter(model, adapter: str | os.PathLike, *, keep_base: bool = False):
-    """The model with a LoRA adapter (peft's directory format) merged into its weights.
+    """The model with a LoRA adapter (peft's directory format) merged into its weights, by peft, on one thread (on a
+    busy 2-core machine the merge's small products took 15-20 s on two threads, half a second on one).
 
     `keep_base`: leave `model` as it was, to serve other requests beside the result; the two share
     every weight the adapter does not change (embeddings, norms) instead of holding it twice."""
-    from peft import PeftModel
-
     path = Path(adapter)
     if not (path / "adapter_config.json").is_file():
         raise FileNotFoundError(f"{path} is not an adapter directory (no adapter_config.json)")
-    with warnings.catch_warnings():  # peft reads transformers' deprecated `is_gradient_checkpointing`
+    from peft import PeftModel
+
+    from .threads import single
+
+    with warnings.catch_warnings(), single():  # peft reads transformers' deprecated `is_gradient_checkpointing`
         warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
         peft_model = PeftModel.from_pretrained(copy.deepcopy(model) if keep_base else model, path)
-    merged = peft_model.merge_and_unload().eval()
+        merged = peft_model.merge_and_unload().eval()
     if keep_base:
         base = dict(model.named_parameters(remove_duplicate=False))
         for name, param in list(merged.named_parameters(remove_duplicate=False)):  # tied ones too

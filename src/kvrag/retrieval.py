@@ -250,9 +250,29 @@ def _damage(directory: Path) -> str | None:
     return None if found == "ok" else " ".join(str(found).split())[:200]  # its first finding, on one line
 
 
+class _SentenceTransformer:
+    """A sentence-transformers folder of a shape `embedding.load` does not take, with sentence-transformers."""
+
+    def __init__(self, path: str, device: str):
+        from sentence_transformers import SentenceTransformer
+
+        from .loading import quietly
+
+        with quietly():
+            self.model = SentenceTransformer(path, device=device, local_files_only=True)
+
+    def encode(self, texts: list[str]):
+        return self.model.encode(texts, normalize_embeddings=True, convert_to_numpy=True)
+
+    def count_tokens(self, texts: list[str]) -> int:
+        ids = self.model.tokenizer(texts)["input_ids"]
+        return sum(min(len(i), self.model.max_seq_length) for i in ids)
+
+
 class Embedder:
-    """Normalized sentence embeddings from the packaged all-MiniLM-L6-v2, loaded on first use (5 s on 2
-    cores: a `kvrag serve` that is never asked to embed never pays it)."""
+    """Normalized sentence embeddings from the packaged all-MiniLM-L6-v2, loaded on first use with torch and
+    tokenizers alone (embedding.py: 0.1 s on 2 cores once torch is imported, against seconds for
+    sentence-transformers' imports; the same vectors), or by sentence-transformers for a folder of another shape."""
 
     def __init__(self, path: str | Path | None = None, device: str = "cpu"):
         self.path, self.device = str(path or embedding_model_path()), device
@@ -260,24 +280,21 @@ class Embedder:
 
     @property
     def model(self):
+        """`embedding.MeanPoolingBert`, or the sentence-transformers wrapper for other folders."""
         with self._lock:
             if self._model is None:
-                from sentence_transformers import SentenceTransformer
+                from . import embedding
 
-                from .loading import quietly
-
-                with quietly():
-                    self._model = SentenceTransformer(self.path, device=self.device, local_files_only=True)
+                self._model = embedding.load(self.path, self.device) or _SentenceTransformer(self.path, self.device)
         return self._model
 
     def embed(self, texts: list[str]) -> list[list[float]]:
-        return self.model.encode(list(texts), normalize_embeddings=True, convert_to_numpy=True).tolist()
+        return self.model.encode(list(texts)).tolist()
 
     def count_tokens(self, texts: list[str]) -> int:
         """Tokens the model reads from `texts`, each cut at its limit as `embed` cuts it (an embeddings
         API's usage)."""
-        ids = self.model.tokenizer(list(texts))["input_ids"]
-        return sum(min(len(i), self.model.max_seq_length) for i in ids)
+        return self.model.count_tokens(list(texts))
 
 
 def passage_id(text: str) -> str:

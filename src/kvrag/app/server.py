@@ -547,7 +547,7 @@ def create_app(engine, *, api_key: str | None = None, model_name: str | Sequence
             answer = ({"message": {"role": "assistant", "content": result.text, "refusal": None}} if chat
                       else {"text": result.text})
             answered = {"index": 0, **answer, "logprobs": None, "finish_reason": _finish_reason(result)}
-            return {**head, "object": kind, "choices": [answered], "usage": _usage(result), "kvrag": stats(result)}
+            return {**head, "object": kind, "choices": [answered], "usage": _usage(result), "kvrag": result.stats()}
 
         # the status is decided before any header is sent: the first delta (or the end) comes first
         with _engine_errors():
@@ -576,7 +576,7 @@ def create_app(engine, *, api_key: str | None = None, model_name: str | Sequence
                 await deltas.aclose()  # a stream not read to the end is cancelled
             result = stream.result
             metrics.record(result)
-            yield chunk(choice("", _finish_reason(result)), kvrag=stats(result))
+            yield chunk(choice("", _finish_reason(result)), kvrag=result.stats())
             if usage:
                 yield _sse({**head, "object": kind, "choices": [], "usage": _usage(result)})
             yield _DONE
@@ -707,16 +707,4 @@ def _usage(result) -> dict:
         "completion_tokens": result.generated_tokens,
         "total_tokens": result.prompt_tokens + result.generated_tokens,
         "prompt_tokens_details": {"cached_tokens": result.reused_tokens},
-    }
-
-
-def stats(result) -> dict:
-    """A request's figures as responses carry them in their `kvrag` object (and `kvrag ask` prints them)."""
-    return {
-        "mode": result.mode,
-        "ttft": result.ttft,
-        "total_time": result.total_time,
-        "prefilled_tokens": result.prefilled_tokens,
-        "reused_tokens": result.reused_tokens,
-        "cache_hits": dict(result.cache_hits),
     }

@@ -12,7 +12,7 @@ CALIBRATE_SETTINGS = ("prefix", "block", "auto", "blend@0.3", "lookahead@0.3")  
 
 
 def print_stats(result: dict, where: str = ""):
-    """A request's figures (`server.stats`: in process, or as `kvrag serve` sent them) on one line."""
+    """A request's figures (`GenerationResult.stats`: in process, or as `kvrag serve` sent them) on one line."""
     hits = ", ".join(f"{k} {v}" for k, v in sorted(result["cache_hits"].items())) or "none"
     print(
         f"[{result['mode']}] TTFT {result['ttft'] * 1e3:.0f} ms, total {result['total_time']:.2f} s, "
@@ -33,14 +33,12 @@ def cmd_ask(args):
         raise KVRagError(f"nothing is indexed yet in {chroma}: run `kvrag index PATH...` first (passages indexed "
                          "through a server that is not running for this home: `kvrag ask --server URL`)")
     passages = index.search(args.question, args.top_k)
-    engine = common.engine(args)
+    engine = common.engine(args, warm_up=False)  # one request: a warm-up would cost what it saves
     stream = engine.stream(args.question, passages, mode=args.mode, max_new_tokens=args.max_new_tokens)
     for delta in stream:
         print(delta, end="", flush=True)
     print()
-    from ..server import stats
-
-    print_stats(stats(stream.result))
+    print_stats(stream.result.stats())
 
 
 def _ask_server(args, url: str):

@@ -127,8 +127,8 @@ MODEL_OPTIONS = {
                                                "keeps a tenth of the disk free)"),
     "--storage": dict(choices=STORAGE, help="how stored KV is kept: float16, bfloat16, float32, or 8- and 4-bit "
                                             "codes with scales ('int8', 'int4': a half and about a quarter of "
-                                            "float16's bytes) (default: $KVRAG_STORAGE, else the model's half dtype, "
-                                            "else float16)"),
+                                            "float16's bytes) (default: $KVRAG_STORAGE, else int4 for the default "
+                                            "model, the model's half dtype or float16 for others)"),
     "--device": dict(default="auto", help="'auto' (the first CUDA device torch sees, else the CPU), 'cpu', 'cuda' "
                                           "or 'cuda:N'"),
     "--dtype": dict(default="auto", choices=("auto", "float32", "float16", "bfloat16"),
