@@ -271,3 +271,21 @@ def test_the_default_model_stores_its_kv_in_4_bits(default_engine):
     tokens = len(default_engine.layout.passage_ids("The Varnholm lighthouse keeper logs the fog in 4-bit ink."))
     assert abs(path.stat().st_size - default_engine.store.file_bytes(tokens)) < 64
     assert default_engine.store.file_bytes(200) / 200 < 6400  # a 200-token passage: 6.1 KB a token, float16 22.5
+
+
+def test_bench_storage_measures_each_format_on_disk_and_in_time(saved_model_and_adapter, tmp_path, capsys):
+    """`kvrag bench storage`: per format, the passages' block files' bytes per token as written, and block mode's
+    TTFT from memory and from disk, in homes of its own (the given home keeps nothing)."""
+    from kvrag.app.cli import main
+
+    model_dir, _ = saved_model_and_adapter
+    argv = ["--model", str(model_dir), "--adapter", "none", "--device", "cpu", "--home", str(tmp_path)]
+    assert main([*argv, "bench", "storage", "--lengths", "300", "--runs", "1"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    rows = {line.split()[0]: line.split()[1:] for line in out[2:]}
+    assert list(rows) == ["float16", "int8", "int4"]
+    per_token = {name: float(row[1]) for name, row in rows.items()}
+    assert per_token["float16"] > 1.5 * per_token["int8"] > 1.5 * 1.2 * per_token["int4"] > 0
+    assert all(float(row[2]) > 0 and float(row[4]) > 0 for row in rows.values()) and rows["float16"][3] == "1.00"
+    assert not (tmp_path / "kv").exists()
+    assert main([*argv, "bench", "storage", "--formats", "int3"]) == 2

@@ -14,16 +14,14 @@ from .ttft import QUESTION, make_passages
 FORMATS = ("float16", "int8", "int4")
 
 
-def _on_disk(engine) -> tuple[int, int]:
-    """(bytes, files) of the engine's block files in its storage format."""
-    suffix = f".{engine.storage_dtype}.safetensors" if isinstance(engine.storage_dtype, str) else None
-    files = [p for p in engine.store.disk.root.glob("??/*.safetensors")
-             if (p.name.endswith(suffix) if suffix else p.name.count(".") == 1)]
-    return sum(p.stat().st_size for p in files), len(files)
+def _passage_bytes(engine, passages: list[str]) -> int:
+    """Bytes of the passages' block files (the prompt's shared prefix and separator blocks, once per home, left out)."""
+    ids = [engine.layout.passage_ids(p) for p in passages]
+    return sum(engine.store.disk.path(key).stat().st_size for key in engine.blocks.keys(engine.layout.prefix_ids, ids))
 
 
 def storage_rows(model, tokenizer, lengths=(1024, 4096), formats=FORMATS, runs: int = 5, progress=print, **options):
-    """A row per (format, length): bytes per passage token on disk, block mode's median TTFT with the blocks in
+    """A row per (format, length): bytes per passage token on disk (the passages' block files), block mode's median TTFT with the blocks in
     memory and from disk (the memory tier emptied first), each also as a ratio to the first format's, and
     whether block mode's first token is float16's. One engine per format over the same weights, each in a home
     of its own."""
@@ -34,7 +32,6 @@ def storage_rows(model, tokenizer, lengths=(1024, 4096), formats=FORMATS, runs: 
         for length in lengths:
             passages = make_passages(next(iter(engines.values())), length, tag=f"{length}-")
             tokens = sum(len(next(iter(engines.values())).layout.passage_ids(p)) for p in passages)
-            before = {name: _on_disk(engine)[0] for name, engine in engines.items()}
             for engine in engines.values():
                 engine.index(passages, progress=False)
                 engine.generate(QUESTION, passages, max_new_tokens=1)  # warm-up: buffers and allocator
@@ -51,7 +48,7 @@ def storage_rows(model, tokenizer, lengths=(1024, 4096), formats=FORMATS, runs: 
             base = formats[0]
             for name in formats:
                 row = {"format": name, "context": length, "passage_tokens": tokens,
-                       "bytes_per_token": (_on_disk(engines[name])[0] - before[name]) / tokens,
+                       "bytes_per_token": _passage_bytes(engines[name], passages) / tokens,
                        "warm": statistics.median(warm[name]), "cold": statistics.median(cold[name]),
                        "same_first": first[name][0] == first[base][0]}
                 row["warm_ratio"] = row["warm"] / statistics.median(warm[base])

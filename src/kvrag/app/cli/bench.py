@@ -99,7 +99,7 @@ def cmd_bench_storage(args):
     lengths = [int(x) for x in args.lengths.split(",")]
     if any(f not in STORAGE for f in formats) or args.runs < 1 or min(lengths) < 1:
         raise KVRagError(f"--formats takes {', '.join(STORAGE)} (got {args.formats!r}); --runs and --lengths at least 1")
-    engine = common.engine(args, warm_up=False)
+    engine = common.engine(args, warm_up=False, persist=False)  # the weights; each format gets a home of its own
     print(f"KV storage formats on {args.model or 'SmolLM2-135M-Instruct'}, {describe(engine.model)}; block mode's TTFT, "
           f"median of {args.runs} rounds, formats alternating; ratios to {formats[0]}'s (default formats: "
           f"{','.join(FORMATS)})")
