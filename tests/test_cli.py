@@ -516,7 +516,10 @@ def test_ctrl_c_while_indexing_ends_in_one_line_and_keeps_what_was_stored(saved_
     while "encoding passages" not in seen:  # interrupted while it encodes
         seen += run.stderr.read(1)
         assert run.poll() is None, seen
-    time.sleep(1)
+    waited = time.monotonic()
+    while len(list((tmp_path / "home" / "kv").rglob("*.safetensors"))) <= 2:  # the prompt's two shared blocks, then
+        assert run.poll() is None and time.monotonic() - waited < 120, seen  # a passage's (the first pack may take
+        time.sleep(0.2)  # seconds on a busy machine)
     run.send_signal(signal.SIGINT)
     err = seen + run.stderr.read()
     assert run.wait(60) == 130, err
