@@ -9,9 +9,11 @@ import pytest
 import kvrag
 
 PUBLIC_MODULES = {"kvrag.chains", "kvrag.retrieval", "kvrag.vllm_client"}
-CONNECTOR_MODULES = {"kvrag.locks", "kvrag.paths", "kvrag.store", "kvrag.rope", "kvrag.remote", "kvrag.vllm_client"}
+CONNECTOR_MODULES = {"kvrag.locks", "kvrag.paths", "kvrag.store", "kvrag.quant", "kvrag.rope", "kvrag.remote",
+                     "kvrag.vllm_client"}
 """What the vLLM connector, which runs inside vLLM and writes its paged caches, takes from kvrag: the store it
-shares with kvrag's engines (and where it keeps files), the rotation, and no more (tests/../integrations/vllm)."""
+shares with kvrag's engines (and where it keeps files, and its 8- and 4-bit formats), the rotation, and no more
+(tests/../integrations/vllm)."""
 HARNESS = ("kvrag.eval", "kvrag.train", "kvrag.app")
 """The research harness and the `kvrag` command: the integrations' product code never imports them (their
 tests may, to compare against the harness)."""

@@ -36,7 +36,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvrag.locks import file_lock
 from kvrag.paths import kvrag_home, safetensors_header_digest
-from kvrag import quant
+from kvrag.quant import KEYS, VALUES, as_tensor, bits_of, quantize
 from kvrag.store import BlockShape, KVBlock, KVStore, storage_format
 
 from . import paged, plan, positions
@@ -314,7 +314,7 @@ class KVRagConnector(KVConnectorBase_V1):
                 block = found[key][0]
                 skip = max(0, load.first - start)
                 where = paged.slots(load.block_ids, start + skip, stop, self.block_size)
-                keys, values = quant.as_tensor(block.keys), quant.as_tensor(block.values)  # 8- and 4-bit: dequantized
+                keys, values = as_tensor(block.keys), as_tensor(block.values)  # 8- and 4-bit: dequantized
                 rotated = positions.rotate(keys[:, :, skip:], start - block.start, self.inv_freq, self.neox)
                 for layer in range(len(self.caches)):
                     paged.write(self.keys[layer], where, rotated[layer])
@@ -345,8 +345,8 @@ class KVRagConnector(KVConnectorBase_V1):
             where = paged.slots(save.block_ids, 0, len(save.ids), self.block_size)
             keys = torch.stack([paged.read(k, where) for k in self.keys]).cpu()
             values = torch.stack([paged.read(v, where) for v in self.values]).cpu()
-            if bits := quant.bits_of(self.storage):
-                keys, values = quant.quantize(keys, bits, quant.KEYS), quant.quantize(values, bits, quant.VALUES)
+            if bits := bits_of(self.storage):
+                keys, values = quantize(keys, bits, KEYS), quantize(values, bits, VALUES)
             else:
                 keys, values = keys.to(self.storage), values.to(self.storage)
             block = KVBlock(torch.tensor(save.ids, dtype=torch.long), keys, values, 0)
