@@ -76,7 +76,10 @@ class MeanPoolingBert:
         self.tokenizer.no_padding()  # the file's own padding and truncation are not sentence-transformers'
         self.tokenizer.enable_truncation(self.max_seq_length)
         self.device = torch.device(device)
-        self.model = BertModel.from_pretrained(directory, local_files_only=True, add_pooling_layer=False).to(self.device)
+        from .loading import quietly
+
+        with quietly():  # no progress bar or load report for a model the package ships
+            self.model = BertModel.from_pretrained(directory, local_files_only=True).to(self.device)  # pooler unused
         self.model.eval()
 
     def token_ids(self, texts: list[str]) -> list[list[int]]:

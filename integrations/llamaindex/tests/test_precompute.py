@@ -69,13 +69,12 @@ def test_kv_is_found_on_disk_or_computed_at_query_time_when_the_cache_skipped_th
     answer = ask(llm, nodes)
 
     engine = llm.engine  # the same weights, new engines: a fresh process on the same / another KVRAG_HOME
-    same_home = KVRagLLM(engine=KVEngine(engine.model, engine.tokenizer, home=engine.home, fingerprint=engine.fingerprint),
-                         mode="block")
+    same = dict(fingerprint=engine.fingerprint, storage_dtype=engine.storage_dtype)
+    same_home = KVRagLLM(engine=KVEngine(engine.model, engine.tokenizer, home=engine.home, **same), mode="block")
     from_disk = ask(same_home, nodes)
     assert set(from_disk.metadata["kvrag"]["cache_hits"]) == {"disk"}
 
-    new_home = KVRagLLM(engine=KVEngine(engine.model, engine.tokenizer, home=tmp_path, fingerprint=engine.fingerprint),
-                        mode="block")
+    new_home = KVRagLLM(engine=KVEngine(engine.model, engine.tokenizer, home=tmp_path, **same), mode="block")
     rerun = pipeline(new_home, embed_model, cache=cache).run(documents=docs)  # cached: nothing runs
     assert not any(tmp_path.glob("kv/*/*/*.safetensors"))
     computed = ask(new_home, rerun)
