@@ -509,10 +509,10 @@ def _read_regular(path: Path, most: int | None) -> bytes:
         os.close(fd)
 
 
-def stored_name(key: str, shape: BlockShape | None) -> str:
+def stored_name(key: str, storage) -> str:
     """The name a block is kept under in the disk and remote tiers: its key, and for 8- and 4-bit KV the format,
     so that one home holds a block in several formats side by side and a block's id stays the same in all."""
-    return f"{key}.{shape.dtype}" if shape is not None and shape.bits else key
+    return f"{key}.{storage}" if quant.bits_of(storage) else key
 
 
 class DiskTier:
@@ -524,12 +524,13 @@ class DiskTier:
     name = "disk"
 
     def __init__(self, root: Path, fingerprint: str, *, shape: BlockShape | None = None, secret: bytes | None = None,
-                 budget: int | None = None, budget_root: Path | None = None):
+                 budget: int | None = None, budget_root: Path | None = None, storage=None):
         self.root, self.fingerprint, self.shape, self.secret = Path(root), fingerprint, shape, secret
+        self.storage = storage if storage is not None else shape and shape.dtype  # what `stored_name` goes by
         self.budget = DiskBudget.for_root(budget_root or root, budget)
 
     def path(self, key: str) -> Path:
-        return self.root / key[:2] / f"{stored_name(key, self.shape)}.safetensors"
+        return self.root / key[:2] / f"{stored_name(key, self.storage)}.safetensors"
 
     def __contains__(self, key: str) -> bool:
         return self.path(key).is_file()
@@ -582,23 +583,25 @@ class RemoteTier:
 
     name = "remote"
 
-    def __init__(self, remote, fingerprint: str, *, shape: BlockShape | None = None, secret: bytes | None = None):
+    def __init__(self, remote, fingerprint: str, *, shape: BlockShape | None = None, secret: bytes | None = None,
+                 storage=None):
         self.remote, self.fingerprint, self.shape, self.secret = remote, fingerprint, shape, secret
+        self.storage = storage if storage is not None else shape and shape.dtype
 
     def __contains__(self, key: str) -> bool:
-        return self.remote.exists(stored_name(key, self.shape))
+        return self.remote.exists(stored_name(key, self.storage))
 
     def put(self, key: str, context: str, block: KVBlock) -> KVBlock:
-        self.remote.put(stored_name(key, self.shape), pack(self.fingerprint, key, context, block, self.secret))
+        self.remote.put(stored_name(key, self.storage), pack(self.fingerprint, key, context, block, self.secret))
         return block
 
     def delete(self, key: str) -> None:
-        self.remote.delete(stored_name(key, self.shape))
+        self.remote.delete(stored_name(key, self.storage))
 
     def get_many(self, items: list[tuple[str, str]]) -> dict[str, KVBlock]:
         """{key: block} for the (key, context) pairs found intact."""
         found = {}
-        names = [stored_name(key, self.shape) for key, _ in items]
+        names = [stored_name(key, self.storage) for key, _ in items]
         for (key, context), data in zip(items, self.remote.iter_many(names)):
             if data is None:
                 continue
@@ -607,7 +610,7 @@ class RemoteTier:
             except Exception as exc:
                 warnings.warn(f"kvrag: dropping unusable remote KV value {key} from {self.remote}: {exc}",
                               RuntimeWarning, stacklevel=4)
-                self.remote.delete(stored_name(key, self.shape))
+                self.remote.delete(stored_name(key, self.storage))
         return found
 
 
@@ -623,20 +626,22 @@ class KVStore:
 
     `shape`: what this model's blocks are, checked on every block read from disk or the remote tier
     (None: only their own consistency). `secret`: the key of the MAC every stored value carries and must
-    carry to be read (see remote.shared_secret). `disk_budget`, `budget_root`: see DiskTier.
+    carry to be read (see remote.shared_secret). `disk_budget`, `budget_root`: see DiskTier. `storage`: the format
+    whose blocks the tiers name and look for (default: `shape`'s; a store told no shape, say one only asked what it
+    holds, is told this).
     """
 
     def __init__(self, fingerprint: str, root: Path | None = None, memory_budget: int = 1 << 30, *,
                  device: str | torch.device | None = None, device_budget: int = 0, remote=None,
                  shape: BlockShape | None = None, secret: bytes | None = None, disk_budget: int | None = None,
-                 budget_root: Path | None = None):
+                 budget_root: Path | None = None, storage=None):
         self.fingerprint, self.shape = fingerprint, shape
         self.device = torch.device(device if device is not None else "cpu")
         self.pinned = self.device.type == "cuda"
         self.memory = MemoryTier(memory_budget, "memory", self._on_host)
         on_device = self.device.type != "cpu" and device_budget > 0
         self.device_tier = MemoryTier(device_budget, "device", self._on_device) if on_device else None
-        tiered = dict(shape=shape, secret=secret)
+        tiered = dict(shape=shape, secret=secret, storage=storage)
         self.disk = DiskTier(root, fingerprint, budget=disk_budget, budget_root=budget_root, **tiered) if root else None
         self.remote = RemoteTier(remote, fingerprint, **tiered) if remote is not None else None
         self.tiers: list[Tier] = [t for t in (self.device_tier, self.memory, self.disk, self.remote) if t is not None]

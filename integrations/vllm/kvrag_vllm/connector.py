@@ -116,7 +116,8 @@ class KVRagConnector(KVConnectorBase_V1):
 
     def _init_scheduler(self) -> None:
         self.stored = KVStore(self.fingerprint, self.root / "kv", memory_budget=0, remote=self.remote,
-                              secret=self.secret)  # only asked what it holds: the workers read and write
+                              secret=self.secret, storage=_storage(self._vllm_config))  # only asked what it holds:
+        # the workers read and write, in this format
         self.passages = plan.Passages()
         self._registry = self.root / "passages.txt"
         self._registry_read = self._remote_read = 0

@@ -155,6 +155,27 @@ def test_after_a_restart_kv_is_read_back_and_damaged_or_foreign_kv_dropped(index
         assert restarted.log_text().count("kvrag: dropping unusable KV") == 2  # one line each, in vLLM's log
 
 
+def test_kv_stored_in_8_bits_is_read_back_dequantized(weights, reference, tmp_path):
+    """`KVRAG_STORAGE=int8` (or the extra config's "storage"): the connector keeps 8-bit codes and scales and loads
+    them dequantized; the answer is block attention's over the passages, up to 8-bit rounding."""
+    from kvrag.eval.vllm import vllm_server
+
+    question = "Who founded the glassworks of Hessby?"
+    with vllm_server(weights, tmp_path, home=tmp_path, env={"KVRAG_STORAGE": "int8"}) as server:
+        assert index(server.url, WORLD[:3], model=server.model) == 3
+        stored = glob.glob(str(tmp_path / "vllm" / "*" / "kv" / "*" / "*.safetensors"))
+        assert len(stored) >= 3 and all(f.endswith(".int8.safetensors") for f in stored)  # passages, and glue
+        _complete(server, _prompt(reference, [WORLD[i] for i in (2, 0)], question))  # the header kept
+        ids = _prompt(reference, [WORLD[i] for i in (0, 2, 1)], question)
+        pieces = _pieces(server, ids, WORLD[:3])
+        top, cached, _ = _complete(server, ids)
+        assert cached == pieces[-1].stop
+        expected = _reference_logprobs(reference, ids, pieces)
+        assert max(top, key=top.get) == expected.argmax().item()
+        for token, logprob in top.items():
+            assert math.isclose(logprob, expected[token].item(), abs_tol=0.05), token
+
+
 def test_missing_kv_means_a_plain_prefill(indexed, reference):
     question = "When was the container terminal of Port Amsel opened?"
     _complete(indexed, _prompt(reference, [WORLD[i] for i in (5, 1)], question))
