@@ -511,7 +511,10 @@ def test_ctrl_c_while_indexing_ends_in_one_line_and_keeps_what_was_stored(saved_
                                               for i in range(3000)))
     kvrag = [sys.executable, "-m", "kvrag.app.cli", "--device", "cpu", "--model", str(model_dir),
              "--home", str(tmp_path / "home"), "index", str(docs), "--max-tokens", "24"]
-    run = subprocess.Popen(kvrag, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    # Ctrl-C's disposition as a terminal's foreground process has it (a suite started in the background of a
+    # non-interactive shell ignores SIGINT, and a child would inherit that)
+    run = subprocess.Popen(kvrag, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+                           preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     seen = ""
     while "encoding passages" not in seen:  # interrupted while it encodes
         seen += run.stderr.read(1)
