@@ -38,6 +38,19 @@ def kvrag_home(tmp_path_factory):
 
 
 @pytest.fixture(scope="session", autouse=True)
+def answer_in_process():
+    """`kvrag ask` answers in its own process in every test (no model process kept warm after the test's home is
+    gone); the tests of keeping it warm ask for that themselves."""
+    old = os.environ.get("KVRAG_KEEP_WARM")
+    os.environ["KVRAG_KEEP_WARM"] = "0"
+    yield
+    if old is None:
+        os.environ.pop("KVRAG_KEEP_WARM", None)
+    else:
+        os.environ["KVRAG_KEEP_WARM"] = old
+
+
+@pytest.fixture(scope="session", autouse=True)
 def kernels_built(kvrag_home):
     """The C kernels built once per session into its KVRAG_HOME, ahead of every request, as ./run's set-up does."""
     from kvrag import kernels

@@ -7,6 +7,9 @@ import json
 import os
 import subprocess
 import sys
+import time
+import urllib.error
+import urllib.request
 from dataclasses import asdict
 from pathlib import Path
 
@@ -370,20 +373,25 @@ def _estimated_bytes(text: str) -> float:
     return float(number) * {"B": 1, "kB": 1e3, "MB": 1e6}[unit]
 
 
-def test_index_says_the_kv_it_will_write_before_writing_it_and_dry_run_writes_nothing(
-        saved_model_and_adapter, tmp_path, capsys, monkeypatch):
-    """`index --dry-run` and `index` estimate the new passages' block files within a tenth of what they take; KV
-    already on disk is not counted again; `status` shows what the home then holds."""
+@pytest.fixture
+def tiny_home(saved_model_and_adapter, tmp_path, monkeypatch) -> tuple[Path, list[str]]:
+    """(home, the model options of a tiny model in it): an embedded passage index, no disk budget given."""
     monkeypatch.setenv("KVRAG_CHROMA", "")
     monkeypatch.delenv("KVRAG_DISK_BUDGET", raising=False)
     model_dir, _ = saved_model_and_adapter
     home = tmp_path / "home"
-    options = ["--model", str(model_dir), "--adapter", "none", "--device", "cpu", "--home", str(home)]
+    return home, ["--model", str(model_dir), "--adapter", "none", "--device", "cpu", "--home", str(home)]
+
+
+def test_index_says_the_kv_it_will_write_before_writing_it_and_dry_run_writes_nothing(tiny_home, tmp_path, capsys):
+    """`index --dry-run` and `index` estimate the new passages' block files within a tenth of what they take; KV
+    already on disk is not counted again; `status` shows what the home then holds."""
+    home, options = tiny_home
     docs = _corpus(tmp_path / "docs")
     assert main([*options, "index", str(docs), "--dry-run"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("24 of 24 passages to encode, ") and "dry run: nothing encoded or written" in out, out
-    assert "the disk budget is " in out and "bytes a token (float16)" in out
+    assert "the disk budget is " in out and "bytes a token, float16)" in out
     assert not _block_files(home) and not (home / "chroma").exists() and not list(home.rglob("passages.sqlite"))
     assert main([*options, "index", str(docs)]) == 0
     err = capsys.readouterr().err
@@ -403,18 +411,16 @@ def test_index_says_the_kv_it_will_write_before_writing_it_and_dry_run_writes_no
     assert main([*options, "status"]) == 0
     out = capsys.readouterr().out
     files = _block_files(home)
-    assert "KV stored as float16" in out and "32 in the passage index" in out and "32 of them with KV on disk" in out
+    # 256 bytes of keys and values a token in this tiny model, and its 4-byte token id
+    assert "KV stored as float16: 260 bytes a token and " in out, out
+    assert "32 in the passage index" in out and "32 of them with KV on disk" in out, out
     assert f"in {len(files)} block files ({files[0].parents[1]})" in out and "passages.sqlite" in out, out
     assert "memory: per process" in out
 
 
-def test_index_refuses_kv_beyond_the_disk_budget_in_one_line_and_encodes_nothing(saved_model_and_adapter, tmp_path,
-                                                                                 capsys, monkeypatch):
-    monkeypatch.setenv("KVRAG_CHROMA", "")
-    monkeypatch.delenv("KVRAG_DISK_BUDGET", raising=False)
-    model_dir, _ = saved_model_and_adapter
-    home = tmp_path / "home"
-    options = ["--model", str(model_dir), "--adapter", "none", "--device", "cpu", "--home", str(home)]
+def test_index_refuses_kv_beyond_the_disk_budget_in_one_line_and_encodes_nothing(tiny_home, tmp_path, capsys,
+                                                                                 monkeypatch):
+    home, options = tiny_home
     docs = _corpus(tmp_path / "docs")
     assert main([*options, "--disk-budget", "20k", "index", str(docs)]) == 2
     err = capsys.readouterr().err
@@ -501,8 +507,6 @@ def test_ctrl_c_while_indexing_ends_in_one_line_and_keeps_what_was_stored(saved_
     """SIGINT (Ctrl-C) while `kvrag index` encodes: one line, exit status 130, no traceback; the blocks stored
     before it stay, and a second run stores the rest."""
     import signal
-    import subprocess
-    import time
 
     model_dir, _ = saved_model_and_adapter
     docs = tmp_path / "docs"
@@ -529,3 +533,72 @@ def test_ctrl_c_while_indexing_ends_in_one_line_and_keeps_what_was_stored(saved_
     assert "Traceback" not in err and err.strip().splitlines()[-1].startswith("kvrag: interrupted"), err
     stored = list((tmp_path / "home" / "kv").rglob("*.safetensors"))
     assert stored and not list((tmp_path / "home").rglob("*.tmp"))
+
+
+def test_ask_keeps_the_model_warm_in_a_keyed_server_that_stops_once_idle(tiny_home, tmp_path, capsys):
+    """`kvrag ask --keep-warm S`: the first question starts `kvrag serve` for the home (keyed; the key in a
+    serve.json only this user reads) and gets the answer the in-process ask gives; the next question reaches the
+    same process; S seconds without a question, it stops and its serve.json is gone."""
+    home, model = tiny_home
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "a.md").write_text("\n\n".join(PASSAGES))
+    assert main([*model, "index", str(docs), "--max-tokens", "40"]) == 0
+    question = [*model, "ask", "Who built the lighthouse?", "--top-k", "1", "--max-new-tokens", "4", "--mode", "block"]
+    capsys.readouterr()
+    assert main([*question, "--keep-warm", "0"]) == 0
+    here = capsys.readouterr()
+    assert "kvrag serve" not in here.err and not (home / "serve.json").exists()
+    with pytest.MonkeyPatch.context() as patch:  # a server that cannot start: said in one line, answered here
+        patch.setattr(sys, "executable", "/bin/false")
+        with pytest.warns(UserWarning, match=r"^kvrag: the model could not be kept warm \(no output; .*serve.log\): "
+                                             "answering in this process$"):
+            assert main([*question, "--keep-warm", "8"]) == 0
+    assert capsys.readouterr().out == here.out and not (home / "serve.json").exists()
+
+    assert main([*question, "--keep-warm", "8"]) == 0
+    first = capsys.readouterr()
+    advertised = json.loads((home / "serve.json").read_text())
+    assert (home / "serve.json").stat().st_mode & 0o777 == 0o600 and len(advertised["key"]) >= 24
+    assert "loading the model in a process kept for 8 s" in first.err and f"pid {advertised['pid']}" in first.err
+    assert first.out == here.out and f"(kvrag serve at {advertised['url']})" in first.err
+    search = urllib.request.Request(f"{advertised['url']}/v1/passages/search", data=b'{"query": "x"}', method="POST")
+    with pytest.raises(urllib.error.HTTPError, match="401"):
+        urllib.request.urlopen(search, timeout=10)  # keyed: another user on this machine is not answered
+
+    assert main(question) == 0  # $KVRAG_KEEP_WARM is 0 in the tests: found, not started
+    second = capsys.readouterr()
+    assert second.out == here.out and f"(kvrag serve at {advertised['url']})" in second.err
+    assert "loading the model" not in second.err and json.loads((home / "serve.json").read_text()) == advertised
+    assert main([*model, "status"]) == 0
+    assert (f"server: `kvrag serve` at {advertised['url']} (pid {advertised['pid']}) answers for this home, kept warm"
+            in capsys.readouterr().out)
+    waited = time.monotonic()
+    while (home / "serve.json").exists():  # idle for 8 s: it stops, and withdraws
+        assert time.monotonic() - waited < 60, (home / "serve.log").read_text()
+        time.sleep(0.5)
+    while _running(advertised["pid"]):
+        assert time.monotonic() - waited < 60, (home / "serve.log").read_text()
+        time.sleep(0.1)
+
+    # `kvrag index` stops a kept server and indexes here: the KV's cost said first, as without a server
+    assert main([*question, "--keep-warm", "60"]) == 0
+    kept = json.loads((home / "serve.json").read_text())
+    (docs / "b.md").write_text("The ferry of Varnholm was painted red in 1901 by the harbour master Edda Lund.")
+    capsys.readouterr()
+    assert main([*model, "index", str(docs), "--max-tokens", "40"]) == 0
+    indexed = capsys.readouterr()
+    assert f"kvrag: stopping the model process `kvrag ask` kept warm (pid {kept['pid']}) to index here" in indexed.err
+    assert "kvrag: 1 of 3 passages to encode" in indexed.err and not (home / "serve.json").exists()
+    waited = time.monotonic()
+    while _running(kept["pid"]):
+        assert time.monotonic() - waited < 60, (home / "serve.log").read_text()
+        time.sleep(0.1)
+
+
+def _running(pid: int) -> bool:
+    """Whether process `pid` runs: not gone, nor a zombie (exited, not yet reaped by the process that started it)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False

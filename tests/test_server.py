@@ -473,9 +473,14 @@ def test_kvrag_serve_wires_its_options(monkeypatch, capsys, tmp_path):
     def record(name, returns):
         return lambda first, **options: calls.update({name: (first, options)}) or returns
 
-    def run(app, **options):
-        calls["run"] = (app, options)
-        calls["advertised"] = json.loads((tmp_path / "serve.json").read_text())
+    class Server:
+        def __init__(self, config):
+            self.config = config
+
+        def run(self):
+            config = self.config
+            calls["run"] = (config.app.app, {"host": config.host, "port": config.port, "log_level": config.log_level})
+            calls["advertised"] = json.loads((tmp_path / "serve.json").read_text())
 
     class Index:
         embedder = "the embedder"
@@ -487,7 +492,7 @@ def test_kvrag_serve_wires_its_options(monkeypatch, capsys, tmp_path):
     monkeypatch.setattr(common, "engine", record("engine", engine))
     monkeypatch.setattr(server_module, "create_app", record("app", app))
     monkeypatch.setattr(retrieval, "PassageIndex", Index)
-    monkeypatch.setattr(uvicorn, "run", run)
+    monkeypatch.setattr(uvicorn, "Server", Server)
     monkeypatch.setenv("KVRAG_API_KEY", "from-env")
     monkeypatch.setenv("KVRAG_CHROMA", "")
     home = ["--home", str(tmp_path)]
@@ -502,9 +507,11 @@ def test_kvrag_serve_wires_its_options(monkeypatch, capsys, tmp_path):
                                            "embedder": "the embedder"})
     assert calls["run"] == (app, {"host": "127.0.0.1", "port": 9001, "log_level": "info"})
     assert calls["advertised"]["url"] == "http://127.0.0.1:9001" and calls["advertised"]["model"]["adapter"] == "auto"
+    assert "key" not in calls["advertised"]  # only with --advertise-key
     assert not (tmp_path / "serve.json").exists() and len(app.router.on_shutdown) == 1
     assert "http://127.0.0.1:9001/v1 (API key required)" in capsys.readouterr().err
     assert cli.main([*home, "serve", "--api-key", "k"]) == 0 and calls["app"][1]["api_key"] == "k"
+    assert cli.main([*home, "serve", "--api-key", "k", "--advertise-key"]) == 0 and calls["advertised"]["key"] == "k"
     assert cli.main([*home, "serve", "--max-request-bytes", "2048", "--max-passages", "8"]) == 0
     assert (calls["app"][1]["max_request_bytes"], calls["app"][1]["max_passages"]) == (2048, 8)
 
@@ -575,7 +582,7 @@ def test_kvrag_serve_keeps_its_passage_index_in_the_chroma_server_named(chroma, 
     engine = types.SimpleNamespace(calibration=None, default_mode="full")
     monkeypatch.setattr(common, "engine", lambda args, **options: engine)
     monkeypatch.setattr(server_module, "create_app", lambda engine, **options: calls.update(options) or app)
-    monkeypatch.setattr(uvicorn, "run", lambda app, **options: None)
+    monkeypatch.setattr(uvicorn, "Server", lambda config: types.SimpleNamespace(run=lambda: None))
     monkeypatch.setenv("KVRAG_CHROMA", chroma)  # as --chroma URL does
     assert cli.main(["--home", str(tmp_path), "serve"]) == 0
     index = calls["passage_index"]

@@ -76,13 +76,14 @@ def preceding_in_documents(texts: list[str], documents: list) -> list[str | None
 
 @dataclass
 class IndexCost:
-    """What indexing `passages` distinct passages writes (`KVEngine.index_cost`): `new` blocks not stored yet, of
-    `tokens` tokens, in block files of `bytes` in all."""
+    """What indexing `passages` distinct passages (of `passage_tokens` tokens) writes (`KVEngine.index_cost`): `new`
+    blocks not stored yet, of `tokens` tokens, in block files of `bytes` in all."""
 
     passages: int
     new: int
     tokens: int
     bytes: int
+    passage_tokens: int
 
 
 _BLOCK_ID = re.compile(r"^kv_([0-9a-f]{32})$")
@@ -400,7 +401,7 @@ class KVEngine:
         new = {key: ids for key, ids in blocks.items() if not stored(key)}
         writes = [*new.values(), *(ids for key, _, ids, _ in self._shared_blocks() if not stored(key))]
         return IndexCost(len(blocks), len(new), sum(map(len, new.values())),
-                         sum(self.store.file_bytes(len(ids)) for ids in writes))
+                         sum(self.store.file_bytes(len(ids)) for ids in writes), sum(map(len, ids_list)))
 
     def _claim(self, key: str, wait: bool):
         """Context manager: whether this process may encode block `key` now, the other processes indexing

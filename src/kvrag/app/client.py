@@ -8,53 +8,91 @@ so that one process owns the home's KV and passage index while it is up.
 
 import json
 import os
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 from kvrag.errors import KVRagError
 
 SERVER_FILE = "serve.json"
 
 
-def advertise(home: Path, url: str, model: dict) -> Path:
+class Server(NamedTuple):
+    """A `kvrag serve` that serve.json names: `key` where it advertised its API key, `idle_exit` (seconds) where it
+    stops once idle (the one `kvrag ask` keeps warm)."""
+
+    url: str
+    pid: int
+    model: dict
+    key: str | None = None
+    idle_exit: float | None = None
+
+
+def advertise(home: Path, url: str, model: dict, key: str | None = None, idle_exit: float | None = None) -> Path:
     """Say where this process serves `home`, and the model options it answers with (removed by `withdraw`
-    when it stops)."""
+    when it stops); with `key`, its API key too, in a file only this user may read."""
     path = home / SERVER_FILE
     tmp = path.with_name(f".{SERVER_FILE}.{os.getpid()}")
-    tmp.write_text(json.dumps({"url": url, "pid": os.getpid(), "model": model}))
+    found = {"url": url, "pid": os.getpid(), "model": model, "key": key, "idle_exit": idle_exit}
+    with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
+        json.dump({name: value for name, value in found.items() if value is not None}, f)
     os.replace(tmp, path)
     return path
 
 
-def withdraw(path: Path) -> None:
+def advertised(path: Path, pid: int | None = None) -> bool:
+    """Whether `path` (from `advertise`) still names this process (or `pid`): a later server for the home replaces
+    it."""
     try:
-        if json.loads(path.read_text()).get("pid") == os.getpid():  # not a later server's
-            path.unlink()
+        return json.loads(path.read_text()).get("pid") == (os.getpid() if pid is None else pid)
     except (OSError, ValueError, AttributeError):
-        pass
+        return False
 
 
-def discover(home: Path, timeout: float = 1.0) -> tuple[str, dict] | None:
-    """(URL, model options) of the `kvrag serve` running for `home`, if one answers /health; a stale or
-    damaged file is ignored."""
+def withdraw(path: Path) -> None:
+    if advertised(path):  # not a later server's
+        path.unlink(missing_ok=True)
+
+
+def discover(home: Path, timeout: float = 1.0) -> Server | None:
+    """The `kvrag serve` running for `home`, if one answers /health; a stale or damaged file is ignored."""
     try:
         found = json.loads((home / SERVER_FILE).read_text())
-        url, pid, model = str(found["url"]), int(found["pid"]), dict(found["model"])
+        server = Server(str(found["url"]), int(found["pid"]), dict(found["model"]),
+                        None if found.get("key") is None else str(found["key"]),
+                        None if found.get("idle_exit") is None else float(found["idle_exit"]))
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
     try:
-        os.kill(pid, 0)
+        os.kill(server.pid, 0)
     except ProcessLookupError:
         return None
     except PermissionError:
         pass  # another user's process: /health decides
+    return server if _healthy(server.url, timeout) else None
+
+
+def _healthy(url: str, timeout: float) -> bool:
     try:
         with urllib.request.urlopen(f"{url}/health", timeout=timeout) as response:
-            return (url, model) if json.loads(response.read()).get("status") == "ok" else None
+            return json.loads(response.read()).get("status") == "ok"
     except (OSError, ValueError):
-        return None
+        return False
+
+
+def stop(home: Path, server: Server, timeout: float = 120.0) -> None:
+    """Have a server that stops once idle (`kvrag serve --idle-exit`) stop now: serve.json no longer names it, so it
+    ends once its requests are answered; wait until it no longer answers."""
+    if advertised(home / SERVER_FILE, server.pid):
+        (home / SERVER_FILE).unlink(missing_ok=True)
+    deadline = time.monotonic() + timeout
+    while _healthy(server.url, 1.0):
+        if time.monotonic() > deadline:
+            raise KVRagError(f"the kvrag serve at {server.url} (pid {server.pid}) did not stop in {timeout:g} s")
+        time.sleep(0.2)
 
 
 def _post(url: str, path: str, body: dict, api_key: str | None, timeout: float = 3600):

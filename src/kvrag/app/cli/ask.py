@@ -2,13 +2,23 @@
 KV, and the measure of which mode keeps full's answers."""
 
 import importlib.util
+import os
+import secrets
+import socket
+import subprocess
 import sys
+import time
+import warnings
 
 from kvrag.errors import KVRagError
 
 from . import common
 
 CALIBRATE_SETTINGS = ("prefix", "block", "auto", "blend@0.3", "lookahead@0.3")  # kvrag.calibrate.SETTINGS
+KEEP_WARM = 300.0
+"""Seconds the process `ask` loads the model in stays up after its last request (as Ollama keeps a model loaded
+five minutes): importing torch and transformers alone takes 5.5 s on a 2-core VM, a kept process answers at once."""
+STARTING = 600.0  # longest wait for that process to answer /health before answering here instead
 
 
 def print_stats(result: dict, where: str = ""):
@@ -22,12 +32,14 @@ def print_stats(result: dict, where: str = ""):
 
 
 def cmd_ask(args):
+    chroma = common.chroma(args)
     server = common.server(args)
+    if not server and not (isinstance(chroma, os.PathLike) and not os.path.exists(chroma)) and keep_warm(args):
+        server = _start_warm(args)
     if server:
-        return _ask_server(args, server[0])
+        return _ask_server(args, *server)
     from kvrag.retrieval import PassageIndex
 
-    chroma = common.chroma(args)
     index = PassageIndex(chroma)
     if len(index) == 0:
         raise KVRagError(f"nothing is indexed yet in {chroma}: run `kvrag index PATH...` first (passages indexed "
@@ -41,14 +53,61 @@ def cmd_ask(args):
     print_stats(stream.result.stats())
 
 
-def _ask_server(args, url: str):
+def keep_warm(args) -> float:
+    """--keep-warm, else $KVRAG_KEEP_WARM, else KEEP_WARM seconds; 0: load the model in this process only."""
+    given = args.keep_warm if args.keep_warm is not None else os.environ.get("KVRAG_KEEP_WARM") or KEEP_WARM
+    try:
+        seconds = float(given)
+    except ValueError:
+        raise KVRagError(f"--keep-warm / $KVRAG_KEEP_WARM is a number of seconds, got {given!r}") from None
+    if not seconds >= 0:
+        raise KVRagError(f"--keep-warm / $KVRAG_KEEP_WARM is a number of seconds >= 0, got {given!r}")
+    return seconds
+
+
+def _start_warm(args) -> tuple[str, str] | None:
+    """Start `kvrag serve` for this home on a free local port, keyed, stopping after --keep-warm seconds without a
+    request, and wait until it answers: (URL, key). None, said in one line, where it could not start: this
+    process answers then."""
+    from .. import client
+
+    home, seconds = common.home(args), keep_warm(args)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    model = []
+    for flag in common.MODEL_OPTIONS:
+        value = getattr(args, flag[2:].replace("-", "_"), None)
+        model += [] if value is None else [flag, str(value)]
+    key, log = secrets.token_urlsafe(24), home / "serve.log"
+    command = [sys.executable, "-m", "kvrag.app.cli", *model, "serve", "--port", str(port), "--idle-exit",
+               str(seconds), "--advertise-key", "--log-level", "warning"]
+    with open(os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as out:
+        process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True,
+                                   env={**os.environ, "KVRAG_API_KEY": key})
+    print(f"kvrag: loading the model in a process kept for {seconds:g} s after its last request, so that the next "
+          f"question answers at once (pid {process.pid}, log {log}; --keep-warm 0: none)", file=sys.stderr)
+    url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + STARTING
+    while process.poll() is None and time.monotonic() < deadline:
+        found = client.discover(home)
+        if found and found.pid == process.pid:
+            return url, key
+        time.sleep(0.2)
+    if process.poll() is None:
+        process.terminate()
+    lines = log.read_text(errors="replace").strip().splitlines()
+    warnings.warn(f"kvrag: the model could not be kept warm ({lines[-1] if lines else 'no output'}; {log}): "
+                  "answering in this process", stacklevel=2)
+    return None
+
+
+def _ask_server(args, url: str, api_key: str | None):
     """`ask` through a running `kvrag serve`: its passage index searched, the answer streamed from its chat
     completions in kvrag's own layout (what `engine.stream` renders in process)."""
     from kvrag.prompt import PromptFormat
 
     from .. import client
 
-    api_key = common.api_key(args)
     passages = client.search(url, api_key, args.question, args.top_k)
     if not passages:
         raise KVRagError(f"nothing is indexed yet on {url}: run `kvrag index PATH...` first")
@@ -108,6 +167,10 @@ def register(sub) -> None:
                         "and home, else full; docs/calibration.md)")
     p.add_argument("--top-k", type=int, default=4, help="passages retrieved for the question")
     p.add_argument("--max-new-tokens", type=int, default=128, help="longest answer in tokens")
+    p.add_argument("--keep-warm", metavar="SECONDS",
+                   help="where no server runs for this home, load the model in a `kvrag serve` that stops after this "
+                        "many seconds without a question, so that the next one answers at once; 0: load it in this "
+                        f"process, for this question only (default: $KVRAG_KEEP_WARM, else {KEEP_WARM:g})")
     common.server_options(p, "searches its passage index and answers, the model loaded there once for every question")
     p.set_defaults(func=cmd_ask)
 

@@ -86,19 +86,21 @@ def api_key(args) -> str | None:
 def answering_options(args) -> dict:
     """The options that decide the answers: a running server is used for another command only where they
     agree."""
-    names = ("model", "adapter", "adapter_scope", "dtype", "block_context")
+    names = ("model", "adapter", "adapter_scope", "dtype", "block_context", "storage")
     return {name: None if getattr(args, name) is None else str(getattr(args, name)) for name in names}
 
 
-def server(args) -> tuple[str, dict] | None:
-    """(URL, model options) of `--server`, else of the `kvrag serve` running for this home with the same model
-    options, else None."""
+def server(args) -> tuple[str, str | None] | None:
+    """(URL, API key) of `--server`, else of the `kvrag serve` running for this home with the same model options
+    (the key it advertised, else --api-key's), else None."""
     from .. import client
 
     if getattr(args, "server", None):
-        return args.server, answering_options(args)
+        return args.server, api_key(args)
     found = client.discover(home(args))
-    return found if found and found[1] == answering_options(args) else None
+    if found and found.model == answering_options(args):
+        return found.url, found.key or api_key(args)
+    return None
 
 
 # ---- the parser ------------------------------------------------------------------------------------------

@@ -40,7 +40,8 @@ def cost_text(engine, passages: list[str], args) -> tuple[str, str | None]:
     kv, (limit, given) = engine.home / "kv", disk_limit(args)  # the budget's directory: every model's block files
     allowance = budget(kv, limit).allowance()
     said = (f"{cost.new} of {cost.passages} passages to encode, {cost.tokens:,} tokens: about "
-            f"{size_text(cost.bytes)} of KV on disk; the disk budget is {size_text(allowance)} ({given})")
+            f"{size_text(cost.bytes)} of KV on disk ({cost.bytes / max(1, cost.tokens):,.0f} bytes a token, "
+            f"{storage_name(engine)}); the disk budget is {size_text(allowance)} ({given})")
     if cost.bytes <= allowance:
         return said, None
     where = f"no space left in {kv} for" if limit is None else "not indexing"
@@ -55,6 +56,8 @@ def cmd_index(args):
         raise KVRagError("--dry-run estimates the KV this home would keep: leave out --server")
     files = text_files(args.paths)
     texts = common.read(files)
+    if not args.dry_run and not args.server:
+        _stop_kept_warm(args)
     server = None if args.dry_run else common.server(args)
     if server:  # the server computes and keeps the KV; here only the tokenizer, to cut the passages
         from kvrag import loading
@@ -64,7 +67,7 @@ def cmd_index(args):
         tokenizer = common.tokenizer(loading.resolve_model_dir(args.model, Path(args.home) if args.home else None))
         encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
         passages, _ = common.passages(encode, texts, args.max_tokens)
-        client.send_passages(server[0], common.api_key(args), passages)
+        client.send_passages(*server, passages)
         print(f"indexed {len(passages)} passages from {len(texts)} files on {server[0]}")
         return
     from kvrag import preceding_in_documents
@@ -79,8 +82,7 @@ def cmd_index(args):
     passages, sources = common.passages(engine.layout.encode, texts, args.max_tokens)
     said, refused = cost_text(engine, passages, args)
     if args.dry_run:
-        print(f"{said}; {per_token(engine):,.0f} bytes a token ({storage_name(engine)}); dry run: nothing encoded "
-              "or written")
+        print(f"{said}; dry run: nothing encoded or written")
     if refused:
         raise KVRagError(refused)
     if args.dry_run:
@@ -94,9 +96,11 @@ def cmd_index(args):
           f"{f' into Chroma at {chroma}' if isinstance(chroma, str) else ''}")
 
 
-def per_token(engine) -> float:
-    """Bytes of a block file per token for this model and storage format (its header left out)."""
-    return (engine.store.file_bytes(1025) - engine.store.file_bytes(1)) / 1024
+def per_token(engine) -> tuple[float, int]:
+    """(bytes of a block file per token, bytes of it whatever its length: header, 8- and 4-bit keys' scales) for this
+    model and storage format."""
+    each = (engine.store.file_bytes(1025) - engine.store.file_bytes(1)) / 1024
+    return each, round(engine.store.file_bytes(1) - each)
 
 
 def storage_name(engine) -> str:
@@ -108,6 +112,20 @@ def _size(path: Path) -> int:
     if path.is_file():
         return path.stat().st_size
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.is_dir() else 0
+
+
+def _stop_kept_warm(args) -> None:
+    """Stop the server `kvrag ask` keeps warm for this home, if it runs: this process then indexes, saying first
+    what the KV will cost and refusing what exceeds the disk budget (a server started with `kvrag serve` indexes
+    what it is sent)."""
+    from .. import client
+
+    home = common.home(args)
+    found = client.discover(home)
+    if found and found.idle_exit:
+        print(f"kvrag: stopping the model process `kvrag ask` kept warm (pid {found.pid}) to index here",
+              file=sys.stderr)
+        client.stop(home, found)
 
 
 def cmd_status(args):
@@ -127,15 +145,15 @@ def cmd_status(args):
     own, (limit, given) = engine.kv_dir, disk_limit(args)
     files = budget(own, limit).files()
     every_model = budget(home / "kv", limit)
-    print(f"model: {args.model or 'the default model'}, KV stored as {storage_name(engine)}: "
-          f"{per_token(engine):,.0f} bytes a token")
+    each, fixed = per_token(engine)
+    print(f"model: {args.model or 'the default model'}, KV stored as {storage_name(engine)}: {each:,.0f} bytes a "
+          f"token and {size_text(fixed)} a block")
     if texts is None:
         print(f"passages: none indexed yet in {chroma}")
     else:
         cost = engine.index_cost(texts)
-        tokens = sum(len(engine.layout.passage_ids(t)) for t in texts)
-        print(f"passages: {len(texts)} in the passage index, {tokens:,} tokens; {cost.passages - cost.new} of them "
-              "with KV on disk for this model")
+        print(f"passages: {len(texts)} in the passage index, {cost.passage_tokens:,} tokens; "
+              f"{cost.passages - cost.new} of them with KV on disk for this model")
     registry = own / "passages.sqlite"
     where = f"on the server at {chroma}" if isinstance(chroma, str) else f"{size_text(_size(chroma))} ({chroma})"
     print(f"disk: KV {size_text(sum(size for _, size, _ in files))} in {len(files)} block files ({own}); passage registry "
@@ -146,6 +164,13 @@ def cmd_status(args):
         print(f"remote: KV and passages in the Redis server at {engine.remote.url} (not measured here)")
     print("memory: per process (each kvrag process keeps the KV it uses in memory, within its budget); none is kept "
           "between processes")
+    from .. import client
+
+    server = client.discover(home)
+    if server:
+        kept = f", kept warm by `kvrag ask` until {server.idle_exit:g} s pass without a request" \
+            if server.idle_exit else ""
+        print(f"server: `kvrag serve` at {server.url} (pid {server.pid}) answers for this home{kept}")
 
 
 def register(sub) -> None:

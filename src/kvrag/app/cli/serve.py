@@ -1,6 +1,8 @@
 """`kvrag serve` (the OpenAI-compatible API) and `kvrag export` (the weights it answers with, for another server)."""
 
 import sys
+import threading
+import time
 from pathlib import Path
 
 from kvrag.errors import KVRagError
@@ -37,13 +39,49 @@ def cmd_serve(args):
           f"{' (API key required)' if api_key else ''}"
           f"{f'; passages in Chroma at {chroma}' if isinstance(chroma, str) else ''}", file=sys.stderr)
     local = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
-    advertised = client.advertise(common.home(args), f"http://{local}:{args.port}", common.answering_options(args))
+    advertised = client.advertise(common.home(args), f"http://{local}:{args.port}", common.answering_options(args),
+                                  api_key if args.advertise_key else None, args.idle_exit or None)
     # on shutdown: uvicorn ends a SIGTERM by raising it again, which no `finally` here would outlive
     app.router.on_shutdown.append(lambda: client.withdraw(advertised))
+    activity = Activity(app)
+    server = uvicorn.Server(uvicorn.Config(activity, host=args.host, port=args.port, log_level=args.log_level))
+    if args.idle_exit:
+        threading.Thread(target=_exit_when_idle, args=(server, activity, args.idle_exit, advertised),
+                         daemon=True).start()
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+        server.run()
     finally:
         client.withdraw(advertised)
+
+
+class Activity:
+    """ASGI wrapper counting the requests in flight and when the last one ended, for `--idle-exit`."""
+
+    def __init__(self, app):
+        self.app, self.active, self.last = app, 0, time.monotonic()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        self.active += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.active -= 1
+            self.last = time.monotonic()
+
+
+def _exit_when_idle(server, activity: Activity, seconds: float, advertised: Path) -> None:
+    """Stop `server` once no request came for `seconds`, or once its home names another server (or none: the
+    home was removed), whichever comes first, never in the middle of a request."""
+    from .. import client
+
+    while True:
+        time.sleep(min(1.0, seconds / 4))
+        idle = time.monotonic() - activity.last
+        if not activity.active and (idle >= seconds or not client.advertised(advertised)):
+            server.should_exit = True
+            return
 
 
 def cmd_export(args):
@@ -84,6 +122,12 @@ def register(sub) -> None:
     p.add_argument("--learn-prompts", type=int, default=LEARN_PROMPTS, metavar="N",
                    help="most passages learned from the messages themselves (text between blank lines), reused by "
                         "later requests in the reusing modes; 0: none (default: %(default)s)")
+    p.add_argument("--idle-exit", type=float, default=0, metavar="SECONDS",
+                   help="stop after this many seconds without a request, or once another server is started for this "
+                        "home (`kvrag ask` starts one so to keep the model warm); 0: never")
+    p.add_argument("--advertise-key", action="store_true",
+                   help="write the API key into the home's serve.json (readable by this user only), so that `kvrag "
+                        "ask` and `kvrag index` in this home use this server without being given the key")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
                    help="uvicorn's log level")
     p.set_defaults(func=cmd_serve)
