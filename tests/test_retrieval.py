@@ -113,6 +113,19 @@ def test_passage_index_stores_a_text_repeated_in_one_batch_once(tmp_path):
     assert len(index) == 2
 
 
+
+def test_passage_index_stores_more_passages_than_a_chroma_batch_holds(tmp_path):
+    """A 5 MB corpus is some 9,000 passages; Chroma refuses an upsert of more than its max batch size (5,461 for
+    an embedded one): `add` stores them all, in batches, a text repeated across batches once with its last
+    source."""
+    index = PassageIndex(tmp_path, embedder=LengthEmbedder())
+    limit = index.collection._client.get_max_batch_size()
+    passages = [f"passage {i}" for i in range(limit + 100)] + ["passage 0"]
+    index.add(passages, ["a.md"] * (len(passages) - 1) + ["b.md"])
+    assert len(index) == limit + 100
+    assert index.collection.get(ids=[passage_id("passage 0")])["metadatas"] == [{"source": "b.md"}]
+
+
 # ---- a Chroma server (`chroma run`, started for these tests) -------------------------------------------
 
 

@@ -301,6 +301,9 @@ def passage_id(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
+ADD_BATCH = 1024
+"""Passages embedded and stored in one Chroma call by `PassageIndex.add`, well below Chroma's own limit."""
+
 DEFAULT_COLLECTION = "kvrag-passages"
 """The CLI's collection (`kvrag index`, `ask`, `serve`)."""
 
@@ -330,26 +333,25 @@ class PassageIndex:
         texts = registered_passages(sorted(self.registries.glob("*/passages.sqlite")))
         self.collection = collection
         self.embedder = self.embedder or Embedder()
-        for start in range(0, len(texts), 256):
-            batch = texts[start : start + 256]
-            self.add(batch, ["recovered"] * len(batch))
+        self.add(texts, ["recovered"] * len(texts))
         return f"{len(texts)} passages recovered from the passage registries in {self.registries}"
 
     def add(self, passages: list[str], sources: list[str]) -> None:
         """Upserts under content-hash ids, so re-running `kvrag index` stores nothing twice. A text
-        repeated in one batch (the same paragraph in two files) is stored once, with its last source:
-        Chroma refuses a batch that repeats an id."""
-        latest = dict(zip(passages, sources))
-        if not latest:
-            return
-        embeddings = self.embedder.embed(list(latest))
-        with chroma_errors(self.location):
-            self.collection.upsert(
-                ids=[passage_id(p) for p in latest],
-                documents=list(latest),
-                embeddings=embeddings,
-                metadatas=[{"source": s} for s in latest.values()],
-            )
+        repeated in one call (the same paragraph in two files) is stored once, with its last source:
+        Chroma refuses a batch that repeats an id, and one longer than its limit (5,461 here), so a
+        large corpus goes in batches of ADD_BATCH."""
+        latest = list(dict(zip(passages, sources)).items())
+        for start in range(0, len(latest), ADD_BATCH):
+            texts, froms = zip(*latest[start : start + ADD_BATCH])
+            embeddings = self.embedder.embed(texts)
+            with chroma_errors(self.location):
+                self.collection.upsert(
+                    ids=[passage_id(p) for p in texts],
+                    documents=list(texts),
+                    embeddings=embeddings,
+                    metadatas=[{"source": s} for s in froms],
+                )
 
     def __len__(self) -> int:
         with chroma_errors(self.location):
