@@ -13,7 +13,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvrag.eval.scaleout import RedisServer, free_port, stop_process  # noqa: F401 - the bench's, which starts redis-server
+from kvrag.app.client import free_port
+from kvrag.eval.scaleout import RedisServer, stop_process  # noqa: F401 - the bench's, which starts redis-server
 
 CHROMA = Path(sys.executable).with_name("chroma")
 """The `chroma` command chromadb installs next to the interpreter."""

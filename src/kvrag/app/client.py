@@ -8,6 +8,7 @@ so that one process owns the home's KV and passage index while it is up.
 
 import json
 import os
+import socket
 import time
 import urllib.error
 import urllib.request
@@ -18,6 +19,19 @@ from typing import NamedTuple
 from kvrag.errors import KVRagError
 
 SERVER_FILE = "serve.json"
+
+
+def free_port() -> int:
+    """A port nothing listens on now (the server binds it itself, so another process could take it
+    in between: a start that fails on it is retried)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def private(path: Path):
+    """`path` opened for writing, created readable by this user only: it may hold an API key."""
+    return open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w")
 
 
 class Server(NamedTuple):
@@ -37,7 +51,7 @@ def advertise(home: Path, url: str, model: dict, key: str | None = None, idle_ex
     path = home / SERVER_FILE
     tmp = path.with_name(f".{SERVER_FILE}.{os.getpid()}")
     found = {"url": url, "pid": os.getpid(), "model": model, "key": key, "idle_exit": idle_exit}
-    with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
+    with private(tmp) as f:
         json.dump({name: value for name, value in found.items() if value is not None}, f)
     os.replace(tmp, path)
     return path

@@ -12,7 +12,6 @@ measures, with the default model in block mode:
 
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import tempfile
@@ -20,16 +19,9 @@ import threading
 import time
 from pathlib import Path
 
+from kvrag.app.client import free_port
 from kvrag.eval.serving import sample_retrievals
 from kvrag.eval.ttft import FILLER
-
-
-def free_port() -> int:
-    """A port nothing listens on now (the server binds it itself, so another process could take it
-    in between: a start that fails on it is retried)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def stop_process(process: subprocess.Popen, timeout: float = 15) -> None:

@@ -109,11 +109,9 @@ class Server:
 
     def __init__(self, home: Path, max_batch: int, max_queue: int = 256, extra=(), mode: str | None = None,
                  shadow: float = 0.0):
-        import socket
+        from kvrag.app.client import free_port
 
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         command = [str(Path(sys.executable).parent / "kvrag"), "--home", str(home), *extra, "serve", "--port",
                    str(self.port), "--max-batch", str(max_batch), "--max-queue", str(max_queue), "--log-level", "warning",

@@ -17,7 +17,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from kvrag import vllm_client
-from kvrag.eval.scaleout import free_port, stop_process
+from kvrag.app.client import free_port
+from kvrag.eval.scaleout import stop_process
 
 SERVED_NAME = "kvrag-default"
 

@@ -4,11 +4,11 @@ KV, and the measure of which mode keeps full's answers."""
 import importlib.util
 import os
 import secrets
-import socket
 import subprocess
 import sys
 import time
 import warnings
+from pathlib import Path
 
 from kvrag.errors import KVRagError
 
@@ -34,8 +34,9 @@ def print_stats(result: dict, where: str = ""):
 def cmd_ask(args):
     chroma = common.chroma(args)
     server = common.server(args)
-    if not server and not (isinstance(chroma, os.PathLike) and not os.path.exists(chroma)) and keep_warm(args):
-        server = _start_warm(args)
+    nothing_indexed = isinstance(chroma, Path) and not chroma.exists()  # said below, with no model loaded
+    if not server and not nothing_indexed and (seconds := keep_warm(args)):
+        server = _start_warm(args, seconds)
     if server:
         return _ask_server(args, *server)
     from kvrag.retrieval import PassageIndex
@@ -65,16 +66,13 @@ def keep_warm(args) -> float:
     return seconds
 
 
-def _start_warm(args) -> tuple[str, str] | None:
-    """Start `kvrag serve` for this home on a free local port, keyed, stopping after --keep-warm seconds without a
-    request, and wait until it answers: (URL, key). None, said in one line, where it could not start: this
-    process answers then."""
+def _start_warm(args, seconds: float) -> tuple[str, str] | None:
+    """Start `kvrag serve` for this home on a free local port, keyed, stopping after `seconds` without a request,
+    and wait until it answers: (URL, key). None, said in one line, where it could not start: this process answers
+    then."""
     from .. import client
 
-    home, seconds = common.home(args), keep_warm(args)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    home, port = common.home(args), client.free_port()
     model = []
     for flag in common.MODEL_OPTIONS:
         value = getattr(args, flag[2:].replace("-", "_"), None)
@@ -82,7 +80,7 @@ def _start_warm(args) -> tuple[str, str] | None:
     key, log = secrets.token_urlsafe(24), home / "serve.log"
     command = [sys.executable, "-m", "kvrag.app.cli", *model, "serve", "--port", str(port), "--idle-exit",
                str(seconds), "--advertise-key", "--log-level", "warning"]
-    with open(os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as out:
+    with client.private(log) as out:
         process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True,
                                    env={**os.environ, "KVRAG_API_KEY": key})
     print(f"kvrag: loading the model in a process kept for {seconds:g} s after its last request, so that the next "

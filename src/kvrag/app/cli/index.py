@@ -99,8 +99,9 @@ def cmd_index(args):
 def per_token(engine) -> tuple[float, int]:
     """(bytes of a block file per token, bytes of it whatever its length: header, 8- and 4-bit keys' scales) for this
     model and storage format."""
-    each = (engine.store.file_bytes(1025) - engine.store.file_bytes(1)) / 1024
-    return each, round(engine.store.file_bytes(1) - each)
+    one, more = engine.store.file_bytes(1), engine.store.file_bytes(1025)
+    each = (more - one) / 1024
+    return each, round(one - each)
 
 
 def storage_name(engine) -> str:
