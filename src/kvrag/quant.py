@@ -4,8 +4,9 @@ keys have outlier channels, values do not), each group with a float16 scale and 
 One block is one group along its tokens for the keys (the passage's own range per channel), so a key's scale and
 low end are per (layer, kv head, channel); a value's are per (layer, kv head, token). 4-bit codes are packed two
 to a byte, channel i in the low half and channel i + head_dim/2 in the high half: the pairs rotary embedding turns
-together, unpacked side by side by the C kernel. Quantized once when a block is encoded, and dequantized into the
-request's workspace (kernels.fill_quantized on the CPU, `dequantize_into` everywhere else).
+together, unpacked side by side by the C kernel. Quantized once when a block is encoded (files and Redis values keep
+4-bit codes deflated: `store.pack`), and dequantized into the request's workspace (kernels.fill_quantized on the CPU,
+`dequantize_into` everywhere else).
 """
 
 from dataclasses import dataclass

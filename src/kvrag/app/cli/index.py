@@ -39,13 +39,13 @@ def cost_text(engine, passages: list[str], args) -> tuple[str, str | None]:
     cost = engine.index_cost(passages)
     kv, (limit, given) = engine.home / "kv", disk_limit(args)  # the budget's directory: every model's block files
     allowance = budget(kv, limit).allowance()
-    said = (f"{cost.new} of {cost.passages} passages to encode, {cost.tokens:,} tokens: about "
+    said = (f"{cost.new} of {cost.passages} passages to encode, {cost.tokens:,} tokens: {bound(engine)} "
             f"{size_text(cost.bytes)} of KV on disk ({cost.bytes / max(1, cost.tokens):,.0f} bytes a token, "
             f"{storage_name(engine)}); the disk budget is {size_text(allowance)} ({given})")
     if cost.bytes <= allowance:
         return said, None
     where = f"no space left in {kv} for" if limit is None else "not indexing"
-    return said, (f"{where} about {size_text(cost.bytes)} of KV for {cost.new} new passages: the disk budget is "
+    return said, (f"{where} {bound(engine)} {size_text(cost.bytes)} of KV for {cost.new} new passages: the disk budget is "
                   f"{size_text(allowance)} ({given}); nothing was encoded")
 
 
@@ -108,6 +108,12 @@ def storage_name(engine) -> str:
     return str(engine.storage_dtype).removeprefix("torch.")
 
 
+def bound(engine, exact: str = "about") -> str:
+    """How a format's files compare to `KVStore.file_bytes`: 4-bit codes are kept deflated where that is smaller
+    (about 7% of the default model's KV), so for them it is an upper bound."""
+    return "at most" if storage_name(engine) == "int4" else exact
+
+
 def _size(path: Path) -> int:
     """Bytes of the files at `path` (a file, or every file under a directory); 0 where there is none."""
     if path.is_file():
@@ -147,7 +153,8 @@ def cmd_status(args):
     files = budget(own, limit).files()
     every_model = budget(home / "kv", limit)
     each, fixed = per_token(engine)
-    print(f"model: {args.model or 'the default model'}, KV stored as {storage_name(engine)}: {each:,.0f} bytes a "
+    each_text = f"{bound(engine, '')} {each:,.0f}".lstrip()
+    print(f"model: {args.model or 'the default model'}, KV stored as {storage_name(engine)}: {each_text} bytes a "
           f"token and {size_text(fixed)} a block")
     if texts is None:
         print(f"passages: none indexed yet in {chroma}")
