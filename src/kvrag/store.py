@@ -50,6 +50,7 @@ FORMAT = "kvrag-kv/1"
 MAX_ABS = 1e4
 """Largest magnitude a stored key or value may have. Attention keys and values of real models stay far
 below it (float16 storage itself ends at 65504); a larger one, or a NaN, is a damaged or planted block."""
+DEFLATED_BITS = 4  # the codes files keep deflated where that is smaller (`_deflate`)
 MAX_HEADER = 1 << 16  # bytes: a block's header names three tensors and a few fields
 DTYPE_NAMES = {torch.float16: "F16", torch.bfloat16: "BF16", torch.float32: "F32", torch.int32: "I32", torch.uint8: "U8"}
 SCALES = ("keys_scale", "keys_low", "values_scale", "values_low")  # besides keys and values, in an 8- or 4-bit block
@@ -101,6 +102,11 @@ class BlockShape:
     def bits(self) -> int | None:
         return quant.bits_of(self.dtype)
 
+    @property
+    def deflated(self) -> bool:
+        """Whether files keep these blocks' codes deflated, so that `kv_bytes` is an upper bound."""
+        return self.bits == DEFLATED_BITS
+
     def tensors(self, tokens: int) -> dict[str, tuple[str, list[int]]]:
         """{name: (dtype name, shape)} of the tensors a block of `tokens` tokens is stored as."""
         full = [self.layers, self.kv_heads, tokens, self.head_dim]
@@ -119,7 +125,7 @@ class BlockShape:
         if set(described) != set(expected):
             raise BadBlock(f"tensors {sorted(described)}, a block of this model's {self.dtype} KV holds {sorted(expected)}")
         for name, (dtype, shape) in expected.items():
-            if self.bits == 4 and name in ("keys", "values") and _deflated(described[name], shape):
+            if self.deflated and name in ("keys", "values") and _deflated(described[name], shape):
                 continue
             if (described[name][0], list(described[name][1])) != (dtype, shape):
                 raise BadBlock(f"{name} in {described[name][0]} of shape {list(described[name][1])}, the model's "
@@ -207,20 +213,17 @@ def _deflate(codes: torch.Tensor) -> torch.Tensor:
     """4-bit codes as raw deflate, Huffman codes only (a range's middle codes are more frequent than its ends': 7%
     fewer bytes on the default model, no match search, 70 MB/s), where that is smaller. 8-bit codes would save 3-4%
     for twice the bytes to inflate on every read, so they are kept as they are."""
-    raw = codes.contiguous().numpy().tobytes()
     coder = zlib.compressobj(1, zlib.DEFLATED, -15, 9, zlib.Z_HUFFMAN_ONLY)
-    packed = coder.compress(raw) + coder.flush()
-    return torch.frombuffer(bytearray(packed), dtype=torch.uint8) if len(packed) < len(raw) else codes
+    packed = coder.compress(codes.contiguous().numpy()) + coder.flush()
+    return torch.frombuffer(bytearray(packed), dtype=torch.uint8) if len(packed) < codes.numel() else codes
 
 
 def _inflate(name: str, codes: torch.Tensor, shape: list[int]) -> torch.Tensor:
-    """Codes of `shape` from what `_deflate` kept; never more bytes than those codes take, else BadBlock."""
-    if list(codes.shape) == shape:
-        return codes
+    """Codes of `shape` from deflated ones (`_deflate`); never more bytes than those codes take, else BadBlock."""
     count = math.prod(shape)
     coder = zlib.decompressobj(-15)
     try:
-        raw = coder.decompress(codes.numpy().tobytes(), count)
+        raw = coder.decompress(codes.numpy(), count)
     except zlib.error as exc:
         raise BadBlock(f"{name}' deflated codes are damaged: {exc}") from None
     if len(raw) != count or not coder.eof or coder.unconsumed_tail or coder.unused_data:
@@ -239,7 +242,7 @@ def _stored(block: KVBlock) -> dict[str, torch.Tensor]:
     tensors = {"token_ids": block.token_ids.to(torch.int32)}
     for name, kv in (("keys", block.keys), ("values", block.values)):
         if isinstance(kv, Quantized):
-            codes = _deflate(kv.codes) if kv.bits == 4 else kv.codes
+            codes = _deflate(kv.codes) if kv.bits == DEFLATED_BITS else kv.codes
             tensors.update({name: codes, f"{name}_scale": kv.scale, f"{name}_low": kv.low})
         else:
             tensors[name] = kv
@@ -314,7 +317,8 @@ def _entries(header: dict, body: memoryview, storage: str | None) -> dict:
     ids_dtype, ids_shape, _ = entries["token_ids"]
     bits = quant.bits_of(storage)
     k_dtype, k_shape, _ = entries["keys"] if bits is None else entries["keys_scale"]  # codes may be deflated
-    if ids_dtype != "I32" or len(ids_shape) != 1 or len(k_shape) != 4 or k_shape[2] not in (ids_shape[0], 1):
+    if (ids_dtype != "I32" or len(ids_shape) != 1 or len(k_shape) != 4
+            or k_shape[2] != (ids_shape[0] if bits is None else 1)):
         raise BadBlock(f"inconsistent tensors: token_ids {ids_dtype}{ids_shape}, keys {k_dtype}{k_shape}")
     if bits is None and k_dtype in ("U8", "I32"):
         raise BadBlock(f"KV in {k_dtype} with no scales")
@@ -374,12 +378,17 @@ def unpack(data: bytes, fingerprint: str, key: str, context: str, shape: BlockSh
     bits = quant.bits_of(storage)
     if bits is None:
         keys, values = tensors["keys"], tensors["values"]
-    else:  # the values inflated beside the keys: zlib lets go of the GIL
+    else:  # deflated values inflated beside the keys: zlib lets go of the GIL
         layers, heads, _, dim = tensors["keys_scale"].shape
         codes = [layers, heads, len(ids), dim * bits // 8]
-        later = _inflater().submit(_inflate, "values", tensors["values"], codes)
-        keys = Quantized(_inflate("keys", tensors["keys"], codes), tensors["keys_scale"], tensors["keys_low"], bits)
-        values = Quantized(later.result(), tensors["values_scale"], tensors["values_low"], bits)
+        deflated = [name for name in ("keys", "values") if list(tensors[name].shape) != codes]
+        later = _inflater().submit(_inflate, "values", tensors["values"], codes) if "values" in deflated else None
+        if "keys" in deflated:
+            tensors["keys"] = _inflate("keys", tensors["keys"], codes)
+        if later is not None:
+            tensors["values"] = later.result()
+        keys, values = (Quantized(tensors[name], tensors[f"{name}_scale"], tensors[f"{name}_low"], bits)
+                        for name in ("keys", "values"))
     for name, kv in (("keys", keys), ("values", values)):
         _check_range(name, kv)
     return KVBlock(ids.to(torch.long), keys, values, start)

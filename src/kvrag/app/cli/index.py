@@ -111,7 +111,7 @@ def storage_name(engine) -> str:
 def bound(engine, exact: str = "about") -> str:
     """How a format's files compare to `KVStore.file_bytes`: 4-bit codes are kept deflated where that is smaller
     (about 7% of the default model's KV), so for them it is an upper bound."""
-    return "at most" if storage_name(engine) == "int4" else exact
+    return "at most" if engine.store.shape.deflated else exact
 
 
 def _size(path: Path) -> int:
