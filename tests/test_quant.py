@@ -9,7 +9,7 @@ import pytest
 import safetensors.torch
 import torch
 from kvfiles import PASSAGES, QUESTION, kv_files, kvrag_warnings
-from test_kernels import needs_avx512
+from test_kernels import needs_kernels
 from tiny import tiny_configs, tiny_model
 
 from kvrag import KVEngine, kernels, quant
@@ -219,7 +219,7 @@ def test_storage_names():
         storage_format("int3", torch.float32)
 
 
-@needs_avx512
+@needs_kernels
 @pytest.mark.parametrize("bits", [8, 4])
 def test_dequantize_kernel_matches_torch(bits, monkeypatch):
     assert kernels.library() is not None, kernels.status()

@@ -41,13 +41,14 @@ def fill(workspace: Workspace, pieces: list[Piece], inv_freq: torch.Tensor, slot
             raise BadBlock(f"KV of shape {tuple(block.keys.shape)} for workspace slots of shape {tuple(keys.shape)}")
         delta = piece.position - block.start
         cos, sin = delta_cos_sin(delta, inv_freq, keys.dtype)
-        if lib and kernels.fill_applies(block.keys, block.values, keys, values):
+        if isinstance(block.keys, Quantized):
+            if lib and kernels.fill_quantized_applies(block.keys, block.values, keys, values):
+                kernels.fill_quantized(lib, block.keys, block.values, keys, values, cos, sin)
+            else:
+                quant.dequantize_into(block.keys, keys, *((cos, sin) if delta else ()))
+                quant.dequantize_into(block.values, values)
+        elif lib and kernels.fill_applies(block.keys, block.values, keys, values):
             kernels.fill_block(lib, block.keys, block.values, keys, values, cos, sin)
-        elif lib and kernels.fill_quantized_applies(block.keys, block.values, keys, values):
-            kernels.fill_quantized(lib, block.keys, block.values, keys, values, cos, sin)
-        elif isinstance(block.keys, Quantized):
-            quant.dequantize_into(block.keys, keys, *((cos, sin) if delta else ()))
-            quant.dequantize_into(block.values, values)
         else:
             if delta == 0:
                 keys.copy_(block.keys, non_blocking=True)

@@ -146,7 +146,7 @@ def grouped_sdpa_attention(module, query, key, value, attention_mask, dropout=0.
         return _ape(query, key, value, kvrag_cached, kvrag_ape, scaling or query.shape[-1] ** -0.5), None
     if after_cache and kernels.attention_applies(query, key, value):
         lib = kernels.library()
-        if lib:
+        if lib and lib.has_attend:
             out = kernels.attend(lib, query, key, value, scaling or query.shape[-1] ** -0.5)
             return out.transpose(1, 2).contiguous(), None
     if attention_mask is None and q_len > 1 and q_len != kv_len:

@@ -1,22 +1,124 @@
-// Block mode's two hot spots on x86-64 CPUs with AVX-512F, loaded by kernels.py.
+// Block mode's hot spots on the CPU, loaded by kernels.py; float32 compute, head_dim 64. Compiled with
+// cc -O3 -march=native -fopenmp by kernels.build(), which links it against torch's own libgomp: one OpenMP
+// runtime, one thread pool, in the process.
 //
-// attend: n question tokens attend to `past` cached keys (all visible) and to their own n keys
-// (causal). Grouped-query heads are folded into rows, so one kv head serves R = group * n rows and
-// row r is question token r % n. Online softmax (flash attention) over tiles of 128 keys; the
-// scores of 6 rows x 64 keys and the output of 6 rows x 64 dims each stay in 24 registers.
+// fill_block: a cached float16 block converted and rotated into the request's float32 buffers; fill_quantized
+// the same for an 8- or 4-bit block, dequantized on the way. Plain C that the compiler vectorizes for the CPU
+// it targets: memory-bound loops, built on every x86-64 CPU.
+//
+// attend, only where the compiler targets AVX-512F: n question tokens attend to `past` cached keys (all
+// visible) and to their own n keys (causal). Grouped-query heads are folded into rows, so one kv head serves
+// R = group * n rows and row r is question token r % n. Online softmax (flash attention) over tiles of 128
+// keys; the scores of 6 rows x 64 keys and the output of 6 rows x 64 dims each stay in 24 registers.
 // attend_bf16, where the compiler targets AVX512-BF16: the same with the two products (query . key,
 // probability . value) in bfloat16 pairs summed into float32 (vdpbf16ps, twice the float32 rate);
 // softmax and sums stay float32.
-// fill_block: a cached float16 block converted and rotated into the request's float32 buffers; fill_quantized
-// the same for an 8- or 4-bit block, dequantized on the way.
-// float32 compute, head_dim 64; compiled with cc -O3 -march=native -fopenmp by kernels.build(), which
-// links it against torch's own libgomp: one OpenMP runtime, one thread pool, in the process.
-#include <immintrin.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
 #define D 64   // head_dim
+#define H 32   // rotate_half pairs channel i with channel i + 32
+
+// float16 bits to float, exactly (subnormals, infinities and NaN too): the exponent rebased by one multiply by a
+// power of two, which every C compiler vectorizes (_Float16 would need GCC 12).
+static inline float widen(unsigned short h) {
+    union { unsigned u; float f; } v = {(unsigned)(h & 0x7fff) << 13};
+    v.f *= 0x1p112f;
+    if ((h & 0x7c00) == 0x7c00) v.u |= 0x7f800000u;
+    v.u |= (unsigned)(h & 0x8000) << 16;
+    return v.f;
+}
+
+// One row's keys a (channels 0-31) and b (32-63) rotated by (c, s) per frequency: transformers' rotate_half.
+static inline void rotate(const float* restrict a, const float* restrict b, const float* restrict c,
+                          const float* restrict s, float* restrict out) {
+    for (int i = 0; i < H; i++) {
+        out[i] = a[i] * c[i] - b[i] * s[i];
+        out[i + H] = b[i] * c[i] + a[i] * s[i];
+    }
+}
+
+// Writes one cached block into the request's buffers in a single pass: float16 keys rotated by the
+// block's position delta (cos/sin per frequency) and float16 values, both converted to float32. k16, v16:
+// [groups][n][D] contiguous, one group per (layer, kv head); kout, vout: the same groups, `group_stride`
+// floats apart, inside buffers that end `capacity` floats after kout and vout. Returns -1, writing nothing,
+// where the block would not fit those buffers (the caller checks shapes too: this is the last line of
+// defence for memory).
+int fill_block(const unsigned short* k16, const unsigned short* v16, float* kout, float* vout, int groups, int n,
+               long group_stride, const float* cos, const float* sin, int threads, long capacity) {
+    if (groups <= 0 || n <= 0 || (long)n * D > group_stride || (long)(groups - 1) * group_stride + (long)n * D > capacity)
+        return -1;
+    const unsigned short *kh = k16, *vh = v16;
+    #pragma omp parallel for schedule(static) num_threads(threads)
+    for (int g = 0; g < groups; g++) {
+        for (int t = 0; t < n; t++) {
+            const unsigned short* kr = kh + ((long)g * n + t) * D;
+            const unsigned short* vr = vh + ((long)g * n + t) * D;
+            float* vo = vout + g * group_stride + (long)t * D;
+            float a[H], b[H];
+            for (int i = 0; i < H; i++) {
+                a[i] = widen(kr[i]);
+                b[i] = widen(kr[i + H]);
+            }
+            rotate(a, b, cos, sin, kout + g * group_stride + (long)t * D);
+            for (int j = 0; j < D; j++) vo[j] = widen(vr[j]);
+        }
+    }
+    return 0;
+}
+
+// fill_block for an 8- or 4-bit block (quant.py): codes dequantized (code * scale + low), keys rotated as above,
+// both written as float32. kc, vc: [groups][n][D * bits / 8] codes, 4-bit ones two a byte, channel i in the low
+// half and channel i + 32 in the high half of byte i (quant.py's packing: rotate_half's pairs share a byte);
+// ks, kl: [groups][D] float16 scale and low end per key channel; vs, vl: [groups][n] per value token. Returns -1,
+// writing nothing, where the block would not fit the buffers or `bits` is neither 8 nor 4.
+int fill_quantized(const unsigned char* kc, const unsigned short* ks, const unsigned short* kl,
+                   const unsigned char* vc, const unsigned short* vs, const unsigned short* vl,
+                   float* kout, float* vout, int groups, int n, int bits, long group_stride,
+                   const float* cos, const float* sin, int threads, long capacity) {
+    if ((bits != 8 && bits != 4) || groups <= 0 || n <= 0 || (long)n * D > group_stride ||
+        (long)(groups - 1) * group_stride + (long)n * D > capacity)
+        return -1;
+    const int width = D * bits / 8;
+    const unsigned short *ksh = ks, *klh = kl;
+    const unsigned short *vsh = vs, *vlh = vl;
+    #pragma omp parallel for schedule(static) num_threads(threads)
+    for (int g = 0; g < groups; g++) {
+        float scale[D], low[D];
+        for (int i = 0; i < D; i++) {
+            scale[i] = widen(ksh[(long)g * D + i]);
+            low[i] = widen(klh[(long)g * D + i]);
+        }
+        for (int t = 0; t < n; t++) {
+            const unsigned char* kr = kc + ((long)g * n + t) * width;
+            const unsigned char* vr = vc + ((long)g * n + t) * width;
+            float* vo = vout + g * group_stride + (long)t * D;
+            float vscale = widen(vsh[(long)g * n + t]), vlow = widen(vlh[(long)g * n + t]);
+            float a[H], b[H];
+            if (bits == 8) {
+                for (int i = 0; i < H; i++) {
+                    a[i] = kr[i] * scale[i] + low[i];
+                    b[i] = kr[i + H] * scale[i + H] + low[i + H];
+                }
+                for (int j = 0; j < D; j++) vo[j] = vr[j] * vscale + vlow;
+            } else {
+                for (int i = 0; i < H; i++) {
+                    a[i] = (kr[i] & 15) * scale[i] + low[i];
+                    b[i] = (kr[i] >> 4) * scale[i + H] + low[i + H];
+                    vo[i] = (vr[i] & 15) * vscale + vlow;
+                    vo[i + H] = (vr[i] >> 4) * vscale + vlow;
+                }
+            }
+            rotate(a, b, cos, sin, kout + g * group_stride + (long)t * D);
+        }
+    }
+    return 0;
+}
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+
 #define T 128  // keys per tile
 #define RB 6   // rows per register block
 
@@ -283,91 +385,4 @@ void attend_bf16(const float* q, const float* k, const float* v, float* out, int
     attend_tiles(q, k, v, out, heads, rows, n, past, head_stride, scale, threads, 1);
 }
 #endif
-
-// Writes one cached block into the request's buffers in a single pass: float16 keys rotated by the
-// block's position delta (cos/sin per frequency, transformers' rotate_half pairing of i and i + 32)
-// and float16 values, both converted to float32. k16, v16: [groups][n][D] contiguous, one group per
-// (layer, kv head); kout, vout: the same groups, `group_stride` floats apart, inside buffers that end
-// `capacity` floats after kout and vout. Returns -1, writing nothing, where the block would not fit
-// those buffers (the caller checks shapes too: this is the last line of defence for memory).
-int fill_block(const unsigned short* k16, const unsigned short* v16, float* kout, float* vout, int groups, int n,
-               long group_stride, const float* cos, const float* sin, int threads, long capacity) {
-    if (groups <= 0 || n <= 0 || (long)n * D > group_stride || (long)(groups - 1) * group_stride + (long)n * D > capacity)
-        return -1;
-    __m512 c0 = _mm512_loadu_ps(cos), c1 = _mm512_loadu_ps(cos + 16);
-    __m512 s0 = _mm512_loadu_ps(sin), s1 = _mm512_loadu_ps(sin + 16);
-    #pragma omp parallel for schedule(static) num_threads(threads)
-    for (int g = 0; g < groups; g++) {
-        for (int t = 0; t < n; t++) {
-            const unsigned short* kr = k16 + ((long)g * n + t) * D;
-            const unsigned short* vr = v16 + ((long)g * n + t) * D;
-            float* ko = kout + g * group_stride + (long)t * D;
-            float* vo = vout + g * group_stride + (long)t * D;
-            __m512 k0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)kr));
-            __m512 k1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(kr + 16)));
-            __m512 k2 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(kr + 32)));
-            __m512 k3 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(kr + 48)));
-            _mm512_storeu_ps(ko, _mm512_fnmadd_ps(k2, s0, _mm512_mul_ps(k0, c0)));
-            _mm512_storeu_ps(ko + 16, _mm512_fnmadd_ps(k3, s1, _mm512_mul_ps(k1, c1)));
-            _mm512_storeu_ps(ko + 32, _mm512_fmadd_ps(k0, s0, _mm512_mul_ps(k2, c0)));
-            _mm512_storeu_ps(ko + 48, _mm512_fmadd_ps(k1, s1, _mm512_mul_ps(k3, c1)));
-            for (int j = 0; j < D; j += 16)
-                _mm512_storeu_ps(vo + j, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(vr + j))));
-        }
-    }
-    return 0;
-}
-
-// 16 codes of one row as floats: 8-bit codes one a byte; 4-bit codes two a byte, channel i in the low half and
-// channel i + 32 in the high half of byte i (quant.py's packing), so part p of 4 reads byte p % 2 * 16 on.
-static inline __m512 codes16(const unsigned char* row, int bits, int part) {
-    __m128i b;
-    if (bits == 8) {
-        b = _mm_loadu_si128((const __m128i*)(row + 16 * part));
-    } else {
-        b = _mm_loadu_si128((const __m128i*)(row + 16 * (part & 1)));
-        if (part >= 2) b = _mm_srli_epi16(b, 4);
-        b = _mm_and_si128(b, _mm_set1_epi8(0x0F));
-    }
-    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b));
-}
-
-// fill_block for an 8- or 4-bit block (quant.py): codes dequantized (low + code * scale) in registers, keys
-// rotated as above, both written as float32. kc, vc: [groups][n][D * bits / 8] codes; ks, kl: [groups][D] float16
-// scale and low end per key channel; vs, vl: [groups][n] per value token. Returns -1, writing nothing, where the
-// block would not fit the buffers or `bits` is neither 8 nor 4.
-int fill_quantized(const unsigned char* kc, const unsigned short* ks, const unsigned short* kl,
-                   const unsigned char* vc, const unsigned short* vs, const unsigned short* vl,
-                   float* kout, float* vout, int groups, int n, int bits, long group_stride,
-                   const float* cos, const float* sin, int threads, long capacity) {
-    if ((bits != 8 && bits != 4) || groups <= 0 || n <= 0 || (long)n * D > group_stride ||
-        (long)(groups - 1) * group_stride + (long)n * D > capacity)
-        return -1;
-    const int width = D * bits / 8;
-    __m512 c0 = _mm512_loadu_ps(cos), c1 = _mm512_loadu_ps(cos + 16);
-    __m512 s0 = _mm512_loadu_ps(sin), s1 = _mm512_loadu_ps(sin + 16);
-    #pragma omp parallel for schedule(static) num_threads(threads)
-    for (int g = 0; g < groups; g++) {
-        __m512 scale[4], low[4];
-        for (int p = 0; p < 4; p++) {
-            scale[p] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(ks + (long)g * D + 16 * p)));
-            low[p] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(kl + (long)g * D + 16 * p)));
-        }
-        for (int t = 0; t < n; t++) {
-            const unsigned char* kr = kc + ((long)g * n + t) * width;
-            const unsigned char* vr = vc + ((long)g * n + t) * width;
-            float* ko = kout + g * group_stride + (long)t * D;
-            float* vo = vout + g * group_stride + (long)t * D;
-            __m512 k[4];
-            for (int p = 0; p < 4; p++) k[p] = _mm512_fmadd_ps(codes16(kr, bits, p), scale[p], low[p]);
-            _mm512_storeu_ps(ko, _mm512_fnmadd_ps(k[2], s0, _mm512_mul_ps(k[0], c0)));
-            _mm512_storeu_ps(ko + 16, _mm512_fnmadd_ps(k[3], s1, _mm512_mul_ps(k[1], c1)));
-            _mm512_storeu_ps(ko + 32, _mm512_fmadd_ps(k[0], s0, _mm512_mul_ps(k[2], c0)));
-            _mm512_storeu_ps(ko + 48, _mm512_fmadd_ps(k[1], s1, _mm512_mul_ps(k[3], c1)));
-            __m512 vscale = _mm512_set1_ps(_cvtsh_ss(vs[(long)g * n + t]));
-            __m512 vlow = _mm512_set1_ps(_cvtsh_ss(vl[(long)g * n + t]));
-            for (int p = 0; p < 4; p++) _mm512_storeu_ps(vo + 16 * p, _mm512_fmadd_ps(codes16(vr, bits, p), vscale, vlow));
-        }
-    }
-    return 0;
-}
+#endif  // __AVX512F__

@@ -1,11 +1,11 @@
-"""Hand-written CPU kernels for block mode's two hot spots, with torch's kernels as the fallback.
+"""Hand-written CPU kernels for block mode's hot spots, with torch's kernels as the fallback.
 
-`kernels.c` computes the question's attention over a long cache (grouped heads folded into rows,
-scores and outputs held in registers; with AVX512-BF16 the two products in bfloat16 pairs summed
-into float32, `KVRAG_KERNELS=fp32` keeps float32) and writes cached float16, 8- and 4-bit blocks into the
-request's float32 buffers in one pass. They run only where they apply: Linux on x86-64 with
-AVX-512F, float32 compute, head_dim 64, one sequence; everywhere else, and with `KVRAG_KERNELS=0`,
-torch runs, and `status()` says which and why.
+`kernels.c` writes cached float16, 8- and 4-bit blocks into the request's float32 buffers in one pass
+(dequantized and rotated on the way: plain C the compiler vectorizes, built on every Linux x86-64 CPU), and,
+where the CPU has AVX-512F, computes the question's attention over a long cache (grouped heads folded into
+rows, scores and outputs held in registers; with AVX512-BF16 the two products in bfloat16 pairs summed into
+float32, `KVRAG_KERNELS=fp32` keeps float32). They run only where they apply: float32 compute, head_dim 64,
+one sequence; everywhere else, and with `KVRAG_KERNELS=0`, torch runs, and `status()` says which and why.
 
 Built ahead of requests, never during one: `build()` (`kvrag kernels build`, and `./run`'s set-up)
 compiles with the system compiler (`$CC`, default `cc`) into this user's own directory,
@@ -73,6 +73,8 @@ def status() -> str:
     lib = _loaded()
     if lib is None:
         return f"off ({_unavailable})"
+    if not lib.has_attend:
+        return "on (C block fills; attention in torch: the C attention needs AVX-512F)"
     return f"on (AVX-512 C kernels, {'bfloat16' if bf16 and lib.has_bf16 else 'float32'} attention products)"
 
 
@@ -83,7 +85,13 @@ def cpuinfo() -> str:
 
 
 def cpu_supported(flag: str = "avx512f") -> bool:
-    return platform.machine() == "x86_64" and f" {flag}" in cpuinfo()
+    """Whether this CPU has `flag` (the C attention needs avx512f; its bfloat16 products avx512_bf16)."""
+    return machine_supported() and f" {flag}" in cpuinfo()
+
+
+def machine_supported() -> bool:
+    """Where the kernels are built and loaded at all: Linux (memfd, /proc) on x86-64 (the CPU they are tested on)."""
+    return platform.system() == "Linux" and platform.machine() == "x86_64"
 
 
 def directory() -> Path:
@@ -117,7 +125,7 @@ def build(force: bool = False) -> str:
     them; returns `status()`. Run it before requests: a request never compiles."""
     global _unavailable
     _load.cache_clear()
-    if not cpu_supported():
+    if not machine_supported():
         return status()
     try:
         path = _compile(force)
@@ -215,8 +223,8 @@ def _loaded() -> ctypes.CDLL | None:
 def _load() -> ctypes.CDLL | None:
     """The verified build, never compiled here; a missing build is normal (info), a refused one warns once."""
     global _unavailable
-    if not cpu_supported():
-        _unavailable = "they need Linux on an x86-64 CPU with AVX-512F"
+    if not machine_supported():
+        _unavailable = "they need Linux on an x86-64 CPU"
         log.info("kvrag: C kernels %s; torch's kernels run", _unavailable)
         return None
     path = build_path()
@@ -248,20 +256,32 @@ def _load() -> ctypes.CDLL | None:
 
 def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     p, i = ctypes.c_void_p, ctypes.c_int
-    lib.attend.argtypes = [p, p, p, p, i, i, i, i, ctypes.c_long, ctypes.c_float, i]
     lib.fill_block.argtypes = [p, p, p, p, i, i, ctypes.c_long, p, p, i, ctypes.c_long]
     lib.fill_block.restype = i
     lib.fill_quantized.argtypes = [p, p, p, p, p, p, p, p, i, i, i, ctypes.c_long, p, p, i, ctypes.c_long]
     lib.fill_quantized.restype = i
-    lib.has_bf16 = hasattr(lib, "attend_bf16")  # built where the compiler targets AVX512-BF16
-    if lib.has_bf16:
-        lib.attend_bf16.argtypes = lib.attend.argtypes
+    lib.has_attend = hasattr(lib, "attend")  # built where the compiler targets AVX-512F
+    lib.has_bf16 = hasattr(lib, "attend_bf16")  # and AVX512-BF16
+    for name in ("attend", "attend_bf16"):
+        if hasattr(lib, name):
+            getattr(lib, name).argtypes = [p, p, p, p, i, i, i, i, ctypes.c_long, ctypes.c_float, i]
     return lib
 
 
 def _check(lib) -> None:
-    """Refuse a build that disagrees with SDPA (a miscompiled library)."""
+    """Refuse a build that disagrees with torch (a miscompiled library): a block fill, and attention against SDPA."""
     generator = torch.Generator().manual_seed(0)  # leaves the caller's random state alone
+    block = torch.randn(2, 1, 2, 5, HEAD_DIM, generator=generator).half()
+    block[1, 0, 0, 0, :4] = torch.tensor([6e-8, -3e-5, 65504.0, float("-inf")])  # subnormals and extremes convert exactly
+    angle = torch.rand(HEAD_DIM // 2, generator=generator) * 6
+    out = torch.empty(block.shape)
+    fill_block(lib, block[0], block[1], out[0], out[1], angle.cos(), angle.sin())
+    first, second = block[0].float().chunk(2, dim=-1)
+    rotated = torch.cat([first * angle.cos() - second * angle.sin(), second * angle.cos() + first * angle.sin()], dim=-1)
+    if not (torch.allclose(out[0], rotated, atol=1e-5) and torch.equal(out[1], block[1].float())):
+        raise RuntimeError("its block fill differs from torch's")
+    if not lib.has_attend:
+        return
     query = torch.randn(1, 4, 7, HEAD_DIM, generator=generator)
     key, value = torch.randn(2, 1, 2, 300 + 7, HEAD_DIM, generator=generator)
     visible = torch.ones(7, 307, dtype=torch.bool).tril(300)  # the cache, then the question's own keys causally
