@@ -49,12 +49,11 @@ int fill_block(const unsigned short* k16, const unsigned short* v16, float* kout
                long group_stride, const float* cos, const float* sin, int threads, long capacity) {
     if (groups <= 0 || n <= 0 || (long)n * D > group_stride || (long)(groups - 1) * group_stride + (long)n * D > capacity)
         return -1;
-    const unsigned short *kh = k16, *vh = v16;
     #pragma omp parallel for schedule(static) num_threads(threads)
     for (int g = 0; g < groups; g++) {
         for (int t = 0; t < n; t++) {
-            const unsigned short* kr = kh + ((long)g * n + t) * D;
-            const unsigned short* vr = vh + ((long)g * n + t) * D;
+            const unsigned short* kr = k16 + ((long)g * n + t) * D;
+            const unsigned short* vr = v16 + ((long)g * n + t) * D;
             float* vo = vout + g * group_stride + (long)t * D;
             float a[H], b[H];
             for (int i = 0; i < H; i++) {
@@ -81,20 +80,18 @@ int fill_quantized(const unsigned char* kc, const unsigned short* ks, const unsi
         (long)(groups - 1) * group_stride + (long)n * D > capacity)
         return -1;
     const int width = D * bits / 8;
-    const unsigned short *ksh = ks, *klh = kl;
-    const unsigned short *vsh = vs, *vlh = vl;
     #pragma omp parallel for schedule(static) num_threads(threads)
     for (int g = 0; g < groups; g++) {
         float scale[D], low[D];
         for (int i = 0; i < D; i++) {
-            scale[i] = widen(ksh[(long)g * D + i]);
-            low[i] = widen(klh[(long)g * D + i]);
+            scale[i] = widen(ks[(long)g * D + i]);
+            low[i] = widen(kl[(long)g * D + i]);
         }
         for (int t = 0; t < n; t++) {
             const unsigned char* kr = kc + ((long)g * n + t) * width;
             const unsigned char* vr = vc + ((long)g * n + t) * width;
             float* vo = vout + g * group_stride + (long)t * D;
-            float vscale = widen(vsh[(long)g * n + t]), vlow = widen(vlh[(long)g * n + t]);
+            float vscale = widen(vs[(long)g * n + t]), vlow = widen(vl[(long)g * n + t]);
             float a[H], b[H];
             if (bits == 8) {
                 for (int i = 0; i < H; i++) {
